@@ -14,18 +14,43 @@ from tensorscope.errors import (
     ScopeError,
     TensorScopeError,
 )
+from tensorscope.ref import DisposedTensor, TensorRef, dispose, ref
+from tensorscope.scope import (
+    DisposeScope,
+    LeakRecord,
+    Stats,
+    current_scope,
+    dispose_everything,
+    dispose_everything_but,
+    reset_stats,
+    scope,
+    stats,
+)
 
 __version__ = "0.1.0"
 
 __all__ = [
     "ArgumentTypeError",
+    "DisposeScope",
+    "DisposedTensor",
     "DisposedTensorError",
     "InvalidArgumentError",
+    "LeakRecord",
     "LeakWarning",
     "OutOfBudgetError",
     "ResidencyError",
     "ScheduleError",
     "ScopeError",
+    "Stats",
+    "TensorRef",
     "TensorScopeError",
     "__version__",
+    "current_scope",
+    "dispose",
+    "dispose_everything",
+    "dispose_everything_but",
+    "ref",
+    "reset_stats",
+    "scope",
+    "stats",
 ]

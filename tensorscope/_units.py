@@ -10,7 +10,7 @@ import re
 
 from tensorscope.errors import ArgumentTypeError, InvalidArgumentError
 
-__all__ = ["parse_bytes", "format_bytes", "ACCEPTED_SIZE_FORMS"]
+__all__ = ["ACCEPTED_SIZE_FORMS", "format_bytes", "parse_bytes"]
 
 _UNITS: dict[str, int] = {
     "": 1,

@@ -12,15 +12,15 @@ This module imports nothing: it is layer 0.
 from __future__ import annotations
 
 __all__ = [
-    "TensorScopeError",
-    "ScopeError",
-    "DisposedTensorError",
-    "ResidencyError",
-    "OutOfBudgetError",
-    "ScheduleError",
-    "InvalidArgumentError",
     "ArgumentTypeError",
+    "DisposedTensorError",
+    "InvalidArgumentError",
     "LeakWarning",
+    "OutOfBudgetError",
+    "ResidencyError",
+    "ScheduleError",
+    "ScopeError",
+    "TensorScopeError",
 ]
 
 

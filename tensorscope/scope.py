@@ -1,0 +1,478 @@
+"""Dispose scopes (TorchSharp's DisposeScope in Python idiom) and their statistics.
+
+``with ts.scope():`` owns every tensor a torch call returns inside it and disposes, at exit,
+those still alive: their memory is released now, not when Python gets around to it.
+Scopes form a stack per thread and per asyncio task (a contextvar holds the innermost one).
+"""
+
+from __future__ import annotations
+
+import functools
+import gc
+import inspect
+import sys
+import warnings
+import weakref
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
+from types import FrameType, TracebackType
+from typing import Any, TypeVar, overload
+
+import torch
+from typing_extensions import ParamSpec, Self
+
+from tensorscope import _intercept
+from tensorscope._sites import capture_site, format_site
+from tensorscope._state import (
+    CURRENT_SCOPE,
+    RefState,
+    ThreadData,
+    new_state,
+    state_of,
+    thread_data,
+)
+from tensorscope._units import format_bytes
+from tensorscope.errors import ArgumentTypeError, LeakWarning, ScopeError
+from tensorscope.ref import (
+    DisposedTensor,
+    TensorRef,
+    _check_convertible,
+    dispose_states,
+    disposed_error,
+    resolve_open,
+    set_owner,
+)
+
+__all__ = [
+    "DisposeScope",
+    "LeakRecord",
+    "Stats",
+    "current_scope",
+    "dispose_everything",
+    "dispose_everything_but",
+    "reset_stats",
+    "scope",
+    "stats",
+]
+
+_P = ParamSpec("_P")
+_R = TypeVar("_R")
+
+
+@dataclass(frozen=True)
+class Stats:
+    """A snapshot of this thread's ref counters (API.md §3). ``live`` = created - disposed."""
+
+    created_in_scope: int
+    created_outside_scope: int
+    disposed_in_scope: int
+    disposed_outside_scope: int
+    attached: int
+    detached: int
+
+    @property
+    def live(self) -> int:
+        created = self.created_in_scope + self.created_outside_scope
+        return created - self.disposed_in_scope - self.disposed_outside_scope
+
+    def __str__(self) -> str:
+        return (
+            f"live {self.live}: created {self.created_in_scope} in scope / "
+            f"{self.created_outside_scope} outside, disposed {self.disposed_in_scope} in scope / "
+            f"{self.disposed_outside_scope} outside, attached {self.attached}, "
+            f"detached {self.detached}"
+        )
+
+
+def stats() -> Stats:
+    """This thread's counters of refs created, disposed, attached and detached.
+
+    Counts are kept by the thread that created each ref. Refs that Python frees count as
+    disposed (in or outside a scope by their owner at that moment).
+
+    Example:
+        >>> import torch, tensorscope as ts
+        >>> ts.reset_stats()
+        >>> with ts.scope():
+        ...     x = torch.ones(2) + 1
+        >>> ts.stats().created_in_scope, ts.stats().live
+        (2, 0)
+    """
+    c = thread_data().counters
+    return Stats(
+        c.created_in_scope,
+        c.created_outside_scope,
+        c.disposed_in_scope,
+        c.disposed_outside_scope,
+        c.attached,
+        c.detached,
+    )
+
+
+def reset_stats() -> None:
+    """Zero this thread's counters."""
+    thread_data().counters.reset()
+
+
+@dataclass(frozen=True)
+class LeakRecord:
+    """A ref that was still referenced from outside its scope when the scope closed."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    nbytes: int
+    site: str
+    held_by: tuple[str, ...]
+
+    def __str__(self) -> str:
+        dtype = str(self.dtype).removeprefix("torch.")
+        holders = ", ".join(self.held_by)
+        return (
+            f"tensor {self.shape} {dtype} ({format_bytes(self.nbytes)}) created at {self.site}, "
+            f"held by {holders}"
+        )
+
+
+class DisposeScope:
+    """A scope that owns the tensors created while it is the innermost open scope.
+
+    Use it as a context manager (``with ts.scope(name="step") as s:``) or as a decorator
+    (``@ts.scope()``: a new scope per call; refs of that scope found in the return value move
+    to the caller's scope, so returning a tensor works). At exit every ref it still owns is
+    disposed. See API.md §1 for every member.
+
+    Example:
+        >>> import torch, tensorscope as ts
+        >>> keep = []
+        >>> with ts.scope(name="step") as s:
+        ...     x = torch.randn(4, 4)
+        ...     y = (x @ x).relu()
+        ...     keep.append(s.move_to_outer(y.sum()))
+        >>> x.is_disposed, len(s) if not s.is_closed else "closed"
+        (True, 'closed')
+    """
+
+    def __init__(self, name: str | None = None, *, report_leaks: bool = False) -> None:
+        if name is not None and not isinstance(name, str):
+            raise ArgumentTypeError(
+                f"tensorscope.scope: a scope name must be a str; got {type(name).__name__}"
+            )
+        self.name = name
+        self.report_leaks = bool(report_leaks)
+        self.leaks: list[LeakRecord] = []
+        self._owned: dict[int, RefState] = {}
+        self._outer: DisposeScope | None = None
+        self._inners: weakref.WeakSet[DisposeScope] = weakref.WeakSet()
+        self._entered = False
+        self._closed = False
+        self._thread: ThreadData | None = None
+        self._locals_at_entry: set[int] = set()
+
+    # -------------------------------------------------------------------------- lifecycle
+    def __enter__(self) -> Self:
+        if self._closed:
+            raise ScopeError(
+                f"tensorscope.scope: {self._words()} is closed and cannot be re-entered; "
+                "create a new one with ts.scope()."
+            )
+        if self._entered:
+            raise ScopeError(
+                f"tensorscope.scope: {self._words()} is already open; a scope is entered once "
+                "(use a new ts.scope() for each block, or @ts.scope() on a function)."
+            )
+        outer = resolve_open(CURRENT_SCOPE.get())
+        self._outer = outer
+        if outer is not None:
+            outer._inners.add(self)
+        if self.report_leaks:
+            frame = sys._getframe(1)
+            self._locals_at_entry = {id(value) for value in frame.f_locals.values()}
+            del frame
+        self._entered = True
+        self._thread = thread_data()
+        CURRENT_SCOPE.set(self)
+        _intercept.acquire(self._thread)
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        if not self._closed:
+            self._close(sys._getframe(1))
+        # Returning None: an exception raised in the block propagates unchanged.
+
+    def close(self) -> None:
+        """Dispose everything owned and unlink the scope. Idempotent; any order is allowed."""
+        if not self._closed:
+            self._close(sys._getframe(1))
+
+    def _close(self, frame: FrameType | None) -> None:
+        self._closed = True
+        try:
+            if self.report_leaks and frame is not None:
+                self._report_leaks(frame)
+            dispose_states(list(self._owned.values()), reason=f"when {self._words()} closed")
+        finally:
+            self._owned.clear()
+            outer = resolve_open(self._outer)
+            for inner in list(self._inners):
+                if inner._outer is self:
+                    inner._outer = outer
+                    if outer is not None:
+                        outer._inners.add(inner)
+            if CURRENT_SCOPE.get() is self:
+                CURRENT_SCOPE.set(outer)
+            if self._entered and self._thread is not None:
+                _intercept.release(self._thread)
+
+    def __call__(self, func: Callable[_P, _R]) -> Callable[_P, _R]:
+        """Decorator: run each call of ``func`` in a new scope like this one."""
+        if inspect.iscoroutinefunction(func):
+            raise ArgumentTypeError(
+                "tensorscope.scope: @ts.scope() cannot decorate a coroutine function (the scope "
+                "would close before the coroutine runs); use `with ts.scope():` inside it."
+            )
+        name, report_leaks = self.name, self.report_leaks
+
+        @functools.wraps(func)
+        def scoped(*args: _P.args, **kwargs: _P.kwargs) -> _R:
+            with DisposeScope(name, report_leaks=report_leaks) as inner:
+                result = func(*args, **kwargs)
+                for tensor in _tensors_in(result):
+                    state = state_of(tensor)
+                    if state is not None and state.owner is inner and state.disposal is None:
+                        inner.move_to_outer(tensor)
+                return result
+
+        return scoped
+
+    # ---------------------------------------------------------------------------- queries
+    @property
+    def is_closed(self) -> bool:
+        """Whether the scope was closed (closed scopes cannot be used or re-entered)."""
+        return self._closed
+
+    @property
+    def outer(self) -> DisposeScope | None:
+        """The enclosing open scope (``None`` at the outermost level)."""
+        self._check_open()
+        return resolve_open(self._outer)
+
+    def tracked(self) -> list[TensorRef]:
+        """A snapshot list of the live refs this scope owns."""
+        self._check_open()
+        return [t for t in (s() for s in list(self._owned.values())) if t is not None]
+
+    def __len__(self) -> int:
+        self._check_open()
+        return len(self._owned)
+
+    def __contains__(self, tensor: object) -> bool:
+        state = state_of(tensor)
+        return state is not None and state.owner is self and state.disposal is None
+
+    def __repr__(self) -> str:
+        status = "closed" if self._closed else f"{len(self._owned)} refs"
+        return f"<DisposeScope {self.name!r} {status}>" if self.name else f"<DisposeScope {status}>"
+
+    # ---------------------------------------------------------------------- ownership moves
+    @overload
+    def include(self, tensor: torch.Tensor, /) -> TensorRef: ...
+    @overload
+    def include(self, *tensors: torch.Tensor) -> tuple[TensorRef, ...]: ...
+    def include(self, *tensors: torch.Tensor) -> TensorRef | tuple[TensorRef, ...]:
+        """Take ownership (TorchSharp ``Attach``); plain tensors are made refs first.
+
+        Unowned refs are adopted and refs owned by another scope move here (one ``attached``
+        each); a plain ``torch.Tensor`` becomes a ref owned here and is returned.
+        """
+        self._check_open()
+        refs: list[TensorRef] = []
+        for tensor in tensors:
+            if type(tensor) is DisposedTensor:
+                raise disposed_error(tensor)
+            state = state_of(tensor) if isinstance(tensor, TensorRef) else None
+            if state is None:
+                _check_convertible(tensor, "DisposeScope.include()")
+                tensor.__class__ = TensorRef
+                new_state(tensor, self, capture_site(), thread_data().counters)
+            elif state.owner is not self:
+                set_owner(state, self)
+                state.counters.attached += 1
+            refs.append(tensor)  # type: ignore[arg-type]
+        return refs[0] if len(refs) == 1 else tuple(refs)
+
+    @overload
+    def exclude(self, tensor: torch.Tensor, /) -> torch.Tensor: ...
+    @overload
+    def exclude(self, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]: ...
+    def exclude(self, *tensors: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, ...]:
+        """Give up ownership of refs this scope owns (TorchSharp ``Detach``); others ignored."""
+        self._check_open()
+        for tensor in tensors:
+            state = state_of(tensor)
+            if state is not None and state.owner is self and state.disposal is None:
+                set_owner(state, None)
+                state.counters.detached += 1
+        return _one_or_tuple(tensors)
+
+    @overload
+    def move_to_outer(self, tensor: torch.Tensor, /) -> torch.Tensor: ...
+    @overload
+    def move_to_outer(self, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]: ...
+    def move_to_outer(self, *tensors: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, ...]:
+        """Move refs this scope owns to the outer scope (unowned if none); others ignored."""
+        self._check_open()
+        outer = resolve_open(self._outer)
+        for tensor in tensors:
+            state = state_of(tensor)
+            if state is not None and state.owner is self and state.disposal is None:
+                set_owner(state, outer)
+                if outer is None:
+                    state.counters.detached += 1
+        return _one_or_tuple(tensors)
+
+    def dispose_everything(self) -> None:
+        """Dispose every ref this scope owns now; the scope stays open."""
+        self._check_open()
+        dispose_states(
+            list(self._owned.values()), reason=f"by dispose_everything() of {self._words()}"
+        )
+
+    def dispose_everything_but(self, *keep: Any) -> Any:
+        """Dispose every owned ref not in ``keep`` (tensors or iterables of tensors).
+
+        Kept refs stay owned and die at ``close()``; refs in ``keep`` this scope does not own
+        are left alone. Returns ``keep`` (the single argument when given one).
+        """
+        self._check_open()
+        kept = {id(t) for t in _flatten_keep(keep)}
+        doomed = [s for s in list(self._owned.values()) if s.key not in kept]
+        dispose_states(doomed, reason=f"by dispose_everything_but() of {self._words()}")
+        return keep[0] if len(keep) == 1 else keep
+
+    # ------------------------------------------------------------------------------ helpers
+    def _check_open(self) -> None:
+        if self._closed:
+            raise ScopeError(
+                f"tensorscope.scope: {self._words()} is closed; only close(), is_closed, name "
+                "and `in` work on a closed scope."
+            )
+
+    def _words(self) -> str:
+        return f"scope {self.name!r}" if self.name else "an unnamed scope"
+
+    def _report_leaks(self, frame: FrameType) -> None:
+        live = [(t, s) for s in self._owned.values() if (t := s()) is not None]
+        if not live:
+            return
+        local_ids = {id(v) for v in frame.f_locals.values()} - self._locals_at_entry
+        ignored = {id(frame), id(frame.f_locals), id(live)}
+        records = []
+        for tensor, state in live:
+            holders = [
+                _describe_holder(r)
+                for r in gc.get_referrers(tensor)
+                if id(r) not in ignored and id(r) not in local_ids and not isinstance(r, FrameType)
+            ]
+            if holders:
+                records.append(
+                    LeakRecord(
+                        tuple(tensor.shape),
+                        tensor.dtype,
+                        tensor.numel() * tensor.element_size(),
+                        format_site(state.site),
+                        tuple(holders),
+                    )
+                )
+        self.leaks = records
+        if records:
+            lines = "\n".join(f"  - {r}" for r in records)
+            total = format_bytes(sum(r.nbytes for r in records))
+            warnings.warn(
+                f"tensorscope.scope: {self._words()} closed while {len(records)} of its tensors "
+                f"({total}) were still referenced from outside it. They are disposed now; "
+                f"without the scope they would have stayed alive (a leak):\n{lines}",
+                LeakWarning,
+                stacklevel=4,
+            )
+
+
+def _describe_holder(holder: object) -> str:
+    kind = type(holder).__name__
+    if isinstance(holder, dict):
+        return "a dict (an object attribute or a mapping)"
+    return f"a {kind}"
+
+
+def _one_or_tuple(tensors: tuple[torch.Tensor, ...]) -> torch.Tensor | tuple[torch.Tensor, ...]:
+    return tensors[0] if len(tensors) == 1 else tensors
+
+
+def _flatten_keep(keep: Iterable[Any]) -> Iterator[Any]:
+    for item in keep:
+        if isinstance(item, torch.Tensor):
+            yield item
+        elif isinstance(item, Iterable) and not isinstance(item, (str, bytes)):
+            yield from _flatten_keep(item)
+        else:
+            raise ArgumentTypeError(
+                "tensorscope.scope: dispose_everything_but() keeps tensors or iterables of "
+                f"tensors; got {type(item).__name__}."
+            )
+
+
+def _tensors_in(value: Any, depth: int = 0) -> Iterator[torch.Tensor]:
+    if isinstance(value, torch.Tensor):
+        yield value
+    elif depth < 4 and isinstance(value, (tuple, list)):
+        for item in value:
+            yield from _tensors_in(item, depth + 1)
+    elif depth < 4 and isinstance(value, dict):
+        for item in value.values():
+            yield from _tensors_in(item, depth + 1)
+
+
+def scope(name: str | None = None, *, report_leaks: bool = False) -> DisposeScope:
+    """A new :class:`DisposeScope` (enter it with ``with``, or use it as a decorator).
+
+    Args:
+        name: shown in error messages and reports.
+        report_leaks: at close, warn (:class:`~tensorscope.LeakWarning`) about owned refs still
+            referenced from outside the scope, with their creation sites; also in ``s.leaks``.
+
+    Example:
+        >>> import torch, tensorscope as ts
+        >>> with ts.scope(name="step"):
+        ...     y = torch.ones(3).sum()
+        >>> y.is_disposed
+        True
+    """
+    return DisposeScope(name, report_leaks=report_leaks)
+
+
+def current_scope() -> DisposeScope | None:
+    """The innermost open scope of this thread / asyncio task, or ``None``."""
+    return resolve_open(CURRENT_SCOPE.get())
+
+
+def _require_scope(what: str) -> DisposeScope:
+    current = current_scope()
+    if current is None:
+        raise ScopeError(
+            f"tensorscope.scope: ts.{what}() needs an open scope; use it inside `with ts.scope():`."
+        )
+    return current
+
+
+def dispose_everything() -> None:
+    """Dispose every ref the current scope owns (``ScopeError`` with no scope open)."""
+    _require_scope("dispose_everything").dispose_everything()
+
+
+def dispose_everything_but(*keep: Any) -> Any:
+    """``current_scope().dispose_everything_but(*keep)`` (``ScopeError`` with no scope open)."""
+    return _require_scope("dispose_everything_but").dispose_everything_but(*keep)

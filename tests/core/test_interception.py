@@ -1,0 +1,162 @@
+"""The interceptor: what becomes a ref, what never does, and that torch is untouched outside."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+from torch import nn
+
+import tensorscope as ts
+from tensorscope import _saved
+from tensorscope._state import STATES
+
+
+def test_no_scope_means_plain_torch() -> None:
+    a = ts.ref(torch.ones(3))
+    out = a + 1
+    assert type(out) is torch.Tensor
+    assert torch._C._len_torch_dispatch_stack() == 0
+
+
+def test_mode_and_saved_hooks_are_pushed_only_while_scopes_are_open() -> None:
+    assert torch._C._len_torch_dispatch_stack() == 0
+    with ts.scope():
+        assert torch._C._len_torch_dispatch_stack() == 1
+        with ts.scope():
+            assert torch._C._len_torch_dispatch_stack() == 1  # one mode per thread
+    assert torch._C._len_torch_dispatch_stack() == 0
+    # no saved-tensor hooks left behind: a plain graph saves plain tensors
+    x = torch.ones(2, requires_grad=True)
+    y = x.exp()
+    assert y.grad_fn._saved_result is not None  # type: ignore[union-attr]
+
+
+def test_every_kind_of_result_is_owned() -> None:
+    with ts.scope() as s:
+        base = torch.arange(12.0).reshape(3, 4)
+        pieces = torch.split(base, 1)
+        view = base.t()
+        item = base[0]
+        mx = base.max(dim=1)
+    for t in (base, *pieces, view, item, mx.values, mx.indices):
+        assert t.is_disposed
+    assert s.is_closed
+
+
+def test_inplace_and_out_results_record_nothing_new() -> None:
+    outside = torch.zeros(3)
+    with ts.scope() as s:
+        r = outside.add_(1)
+        assert r is outside and type(outside) is torch.Tensor
+        out = torch.empty(3)
+        before = len(s)
+        res = torch.add(outside, 1, out=out)
+        assert res is out and len(s) == before
+    assert outside.tolist() == [1.0, 1.0, 1.0]
+
+
+def test_parameters_and_buffers_created_in_a_scope_are_plain_and_survive() -> None:
+    with ts.scope():
+        lin = nn.Linear(3, 2)
+        bn = nn.BatchNorm1d(2)
+        p = nn.Parameter(torch.randn(2))
+        buf = nn.Buffer(torch.ones(2))
+    assert type(lin.weight) is nn.Parameter and type(p) is nn.Parameter
+    assert type(bn.running_mean) is torch.Tensor
+    assert isinstance(buf, nn.Buffer) and not isinstance(buf, ts.TensorRef)
+    assert lin(torch.ones(1, 3)).shape == (1, 2)
+    assert bn.running_var.tolist() == [1.0, 1.0]
+
+
+def test_grads_of_parameters_are_never_owned_and_grads_of_owned_leaves_are() -> None:
+    w = nn.Parameter(torch.randn(3))
+    with ts.scope() as s:
+        x = torch.randn(3, requires_grad=True)
+        (w * x).sum().backward()
+        assert type(w.grad) is torch.Tensor
+        assert isinstance(x.grad, ts.TensorRef) and x.grad.scope is s
+    assert w.grad is not None and w.grad.shape == (3,)
+    assert x.is_disposed
+
+
+def test_disposing_a_grad_unlinks_it_so_later_backward_makes_a_fresh_one() -> None:
+    with ts.scope():
+        leaf = torch.randn(3, requires_grad=True).detach_from_scope()
+    with ts.scope():
+        (leaf * 2).sum().backward()
+        assert type(leaf.grad) is torch.Tensor  # the grad of an unowned leaf stays plain
+    leaf2 = ts.ref(torch.randn(3, requires_grad=True))
+    with ts.scope() as s:
+        s.include(leaf2)
+        (leaf2 * 2).sum().backward()
+        g = leaf2.grad
+        assert g is not None and g.scope is s
+        s.exclude(leaf2)
+    assert g.is_disposed and leaf2.grad is None
+    (leaf2 * 3).sum().backward()
+    assert leaf2.grad is not None and leaf2.grad.tolist() == [3.0, 3.0, 3.0]
+
+
+class _FailingSGD(torch.optim.SGD):
+    def step(self, closure: object = None) -> None:  # type: ignore[override]
+        torch.ones(2)  # created inside the step: never owned
+        raise RuntimeError("boom")
+
+
+def test_optimizer_state_is_never_owned_and_the_mode_is_restored_after_a_failing_step() -> None:
+    model = nn.Linear(4, 2)
+    opt = torch.optim.Adam(model.parameters())
+    failing = _FailingSGD(model.parameters(), lr=0.1)
+    with ts.scope() as s:
+        model(torch.randn(5, 4)).sum().backward()
+        opt.step()
+        state = opt.state[model.weight]
+        assert all(type(v) is torch.Tensor for v in state.values())
+        with pytest.raises(RuntimeError, match="boom"):
+            failing.step()
+        # the next scope event puts the mode back; tensors are owned again
+        with ts.scope() as inner:
+            t = torch.ones(1)
+            assert t.scope is inner
+        u = torch.ones(1)
+        assert u.scope is s
+    assert torch._C._len_torch_dispatch_stack() == 0
+
+
+def test_forward_without_backward_does_not_leak_graphs_or_aliases() -> None:
+    w = nn.Parameter(torch.randn(16, 16))
+    with ts.scope():
+        before_states, before_aliases = len(STATES), len(_saved.ALIASES)
+        for _ in range(200):
+            h = torch.randn(4, 16)
+            for _ in range(3):
+                h = (h @ w).tanh()  # tanh saves its output: a cycle if saved as is
+        del h
+        assert len(STATES) - before_states < 20
+        assert len(_saved.ALIASES) - before_aliases < 20
+
+
+def test_backward_through_a_disposed_saved_activation_raises() -> None:
+    w = nn.Parameter(torch.randn(3, 3))
+    with ts.scope(name="fwd"):
+        h = (torch.randn(2, 3) @ w).tanh()
+        out = (h * 2).sum().detach_from_scope()
+    with pytest.raises(ts.DisposedTensorError, match=r"\(2, 3\).*'fwd'"):
+        out.backward()
+
+
+def test_scope_closed_from_another_thread_leaves_its_own_thread_usable() -> None:
+    s = ts.scope()
+    s.__enter__()
+    x = torch.ones(2)
+    worker = threading.Thread(target=s.close)
+    worker.start()
+    worker.join()
+    assert x.is_disposed and s.is_closed
+    y = torch.ones(2)  # the mode may still be pushed here, but it returns plain tensors
+    assert type(y) is torch.Tensor
+    with ts.scope():  # the next scope event of this thread cleans up
+        pass
+    assert torch._C._len_torch_dispatch_stack() == 0
