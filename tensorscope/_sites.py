@@ -20,15 +20,17 @@ __all__ = ["Site", "capture_site", "format_site"]
 
 Site: TypeAlias = "tuple[str, int] | None"
 
-_LIBRARY_DIRS = (
-    os.path.dirname(torch.__file__) + os.sep,
-    os.path.dirname(os.path.abspath(__file__)) + os.sep,
-)
+_PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
+_LIBRARY_DIRS = (os.path.dirname(torch.__file__) + os.sep, _PACKAGE_DIR)
+# The demo plays the part of user code: its sites are what a user would see.
+_USER_FILES = {_PACKAGE_DIR + "demo.py"}
 _is_library: dict[str, bool] = {}
 
 
 def _classify(filename: str) -> bool:
-    verdict = filename.startswith(_LIBRARY_DIRS) or filename.startswith("<frozen")
+    verdict = (
+        filename.startswith(_LIBRARY_DIRS) or filename.startswith("<frozen")
+    ) and filename not in _USER_FILES
     _is_library[filename] = verdict
     return verdict
 

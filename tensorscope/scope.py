@@ -366,17 +366,22 @@ class DisposeScope:
         return f"scope {self.name!r}" if self.name else "an unnamed scope"
 
     def _report_leaks(self, frame: FrameType) -> None:
-        live = [(t, s) for s in self._owned.values() if (t := s()) is not None]
-        if not live:
-            return
+        # Only the scope's own frame and its locals created inside the scope may hold a ref
+        # without it being a leak; anything else (a list made before the scope, an attribute,
+        # a closure cell, a global) would keep the tensor alive beyond the step.
         local_ids = {id(v) for v in frame.f_locals.values()} - self._locals_at_entry
-        ignored = {id(frame), id(frame.f_locals), id(live)}
+        ignored = {id(frame), id(frame.f_locals)}
         records = []
-        for tensor, state in live:
+        for state in list(self._owned.values()):
+            tensor = state()
+            if tensor is None:
+                continue
             holders = [
-                _describe_holder(r)
-                for r in gc.get_referrers(tensor)
-                if id(r) not in ignored and id(r) not in local_ids and not isinstance(r, FrameType)
+                _describe_holder(holder)
+                for holder in gc.get_referrers(tensor)
+                if not isinstance(holder, FrameType)
+                and id(holder) not in ignored
+                and id(holder) not in local_ids
             ]
             if holders:
                 records.append(
@@ -388,6 +393,7 @@ class DisposeScope:
                         tuple(holders),
                     )
                 )
+            del tensor
         self.leaks = records
         if records:
             lines = "\n".join(f"  - {r}" for r in records)
