@@ -35,6 +35,7 @@
 
 from __future__ import annotations
 
+import functools
 import threading
 from typing import TYPE_CHECKING, Any
 
@@ -195,6 +196,23 @@ def _install_global_hooks() -> None:
     )
     _global_hooks.append(register_optimizer_step_pre_hook(_before_step))
     _global_hooks.append(register_optimizer_step_post_hook(_after_step))
+    # torch.frombuffer is the one creator that bypasses the dispatcher (DESIGN.md).
+    torch.frombuffer = _frombuffer
+
+
+_original_frombuffer = torch.frombuffer
+
+
+@functools.wraps(_original_frombuffer)
+def _frombuffer(*args: Any, **kwargs: Any) -> torch.Tensor:
+    out = _original_frombuffer(*args, **kwargs)
+    data = thread_data()
+    interceptor = data.interceptor
+    if data.pushed and not data.suspended and interceptor is not None and not interceptor.paused:
+        scope = resolve_open(CURRENT_SCOPE.get())
+        if scope is not None and type(out) is torch.Tensor:
+            adopt(out, scope, data.counters)
+    return out
 
 
 def _before_step(optimizer: Any, args: Any, kwargs: Any) -> None:

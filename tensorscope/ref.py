@@ -21,9 +21,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import weakref
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -147,10 +148,18 @@ class TensorRef(torch.Tensor):
         return self
 
     def move_to_scope(self, scope: DisposeScope | None) -> Self:
-        """Move to ``scope`` (attaching an unowned ref), or detach from any scope with ``None``."""
+        """Move to ``scope`` (attaching an unowned ref), or detach from any scope with ``None``.
+
+        Moving between two scopes counts nothing; attaching an unowned ref counts ``attached``.
+        """
         if scope is None:
             return self.detach_from_scope()
-        scope.include(self)
+        state = _live_state(self)
+        scope._check_open()
+        if state.owner is not scope:
+            if state.owner is None:
+                state.counters.attached += 1
+            set_owner(state, scope)
         return self
 
     @property
@@ -159,15 +168,42 @@ class TensorRef(torch.Tensor):
 
         It holds the data on its own: it stays valid even if the ref is disposed later.
         """
+        _check_live(self)
         with _no_dispatch(), _no_subclass_function():
             return torch.Tensor.view_as(self, self)
 
+    def detach(self) -> torch.Tensor:
+        """Autograd's ``detach()``; outside any scope, the detached alias of a ref is a ref too.
+
+        (Inside a scope every result is a ref of the scope anyway.) ``nn.Parameter(ref)`` needs
+        ``detach()`` to keep the type of its argument; the ref is unowned.
+        """
+        out = torch.Tensor.detach(self)
+        if type(out) is torch.Tensor:
+            out.__class__ = TensorRef
+            new_state(out, None, capture_site(), thread_data().counters)
+        return out
+
     # ------------------------------------------------------------------ plain-tensor protocols
+    # Printed and formatted exactly as a plain tensor with the same data and autograd state
+    # (torch prints subclasses as "TensorRef(...)" and formats only plain 0-d tensors as numbers).
+    def __repr__(self, *, tensor_contents: Any = None) -> str:  # type: ignore[override]
+        plain_repr: Any = torch.Tensor.__repr__
+        with _as_plain(self):
+            return str(plain_repr(self, tensor_contents=tensor_contents))
+
+    def __format__(self, format_spec: str) -> str:
+        plain_format: Any = torch.Tensor.__format__
+        with _as_plain(self):
+            return str(plain_format(self, format_spec))
+
     def __reduce_ex__(self, proto: Any) -> Any:
         # torch.save / pickle store plain data: a ref loads back as a plain tensor.
+        _check_live(self)
         return torch.Tensor._reduce_ex_internal(self, proto)  # type: ignore[no-untyped-call]
 
     def __deepcopy__(self, memo: dict[int, Any]) -> torch.Tensor:
+        _check_live(self)
         if id(self) in memo:
             return memo[id(self)]  # type: ignore[no-any-return]
         if not self.is_leaf:
@@ -185,12 +221,16 @@ class TensorRef(torch.Tensor):
         return new
 
     def numpy(self, *, force: bool = False) -> Any:
-        # The array holds a plain alias, so the data stays valid while the array lives even if
-        # this ref is disposed (numpy reads memory directly: there is nothing to guard).
-        return plain_alias(self).numpy(force=force)
+        # The array keeps a plain alias made outside the interceptor, so its data stays valid
+        # while the array lives even if this ref is disposed (numpy reads memory directly).
+        _check_live(self)
+        with _no_dispatch(), _no_subclass_function():
+            return torch.Tensor.numpy(self, force=force)
 
     def __dlpack__(self, *args: Any, **kwargs: Any) -> Any:
-        return plain_alias(self).__dlpack__(*args, **kwargs)
+        _check_live(self)
+        with _no_dispatch(), _no_subclass_function():
+            return torch.Tensor.__dlpack__(plain_alias(self), *args, **kwargs)
 
     # ----------------------------------------- nn.Parameter / nn.Buffer made from a ref
     # Inside a scope, ``nn.Parameter(data)`` receives a ref and takes its subclass path:
@@ -265,6 +305,22 @@ def disposed_error_for(disposal: Disposal, site: str) -> DisposedTensorError:
         "beyond its scope, call t.move_to_outer() or t.detach_from_scope() (or s.exclude(t)) "
         "before the scope closes, or take a copy with t.clone() and detach_from_scope() it."
     )
+
+
+@contextlib.contextmanager
+def _as_plain(tensor: TensorRef) -> Iterator[None]:
+    _check_live(tensor)
+    cls = tensor.__class__
+    tensor.__class__ = torch.Tensor  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        tensor.__class__ = cls
+
+
+def _check_live(tensor: TensorRef) -> None:
+    if type(tensor) is DisposedTensor:
+        raise disposed_error(tensor)
 
 
 def _live_state(tensor: TensorRef) -> RefState:
