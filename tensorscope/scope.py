@@ -213,7 +213,7 @@ class DisposeScope:
         self._closed = True
         try:
             if self.report_leaks and frame is not None:
-                self._report_leaks(frame)
+                self.leaks = self._find_leaks(frame)
             dispose_states(list(self._owned.values()), reason=f"when {self._words()} closed")
         finally:
             self._owned.clear()
@@ -227,6 +227,8 @@ class DisposeScope:
                 CURRENT_SCOPE.set(outer)
             if self._entered and self._thread is not None:
                 _intercept.release(self._thread)
+        if self.leaks:  # warned last: a warning turned into an error must not stop the close
+            self._warn_leaks()
 
     def __call__(self, func: Callable[_P, _R]) -> Callable[_P, _R]:
         """Decorator: run each call of ``func`` in a new scope like this one."""
@@ -365,7 +367,7 @@ class DisposeScope:
     def _words(self) -> str:
         return f"scope {self.name!r}" if self.name else "an unnamed scope"
 
-    def _report_leaks(self, frame: FrameType) -> None:
+    def _find_leaks(self, frame: FrameType) -> list[LeakRecord]:
         # Only the scope's own frame and its locals created inside the scope may hold a ref
         # without it being a leak; anything else (a list made before the scope, an attribute,
         # a closure cell, a global) would keep the tensor alive beyond the step.
@@ -394,17 +396,18 @@ class DisposeScope:
                     )
                 )
             del tensor
-        self.leaks = records
-        if records:
-            lines = "\n".join(f"  - {r}" for r in records)
-            total = format_bytes(sum(r.nbytes for r in records))
-            warnings.warn(
-                f"tensorscope.scope: {self._words()} closed while {len(records)} of its tensors "
-                f"({total}) were still referenced from outside it. They are disposed now; "
-                f"without the scope they would have stayed alive (a leak):\n{lines}",
-                LeakWarning,
-                stacklevel=4,
-            )
+        return records
+
+    def _warn_leaks(self) -> None:
+        lines = "\n".join(f"  - {r}" for r in self.leaks)
+        total = format_bytes(sum(r.nbytes for r in self.leaks))
+        warnings.warn(
+            f"tensorscope.scope: {self._words()} closed while {len(self.leaks)} of its tensors "
+            f"({total}) were still referenced from outside it. They are disposed now; "
+            f"without the scope they would have stayed alive (a leak):\n{lines}",
+            LeakWarning,
+            stacklevel=4,
+        )
 
 
 def _describe_holder(holder: object) -> str:
