@@ -14,7 +14,10 @@ from tensorscope.errors import (
     ScopeError,
     TensorScopeError,
 )
+from tensorscope.manage import ManagedModule, ManagedParameter, manage
+from tensorscope.policies import Flow, Genoa, Policy
 from tensorscope.ref import DisposedTensor, TensorRef, dispose, ref
+from tensorscope.residency import ResidencyManager, ResidencyReport, residency
 from tensorscope.scope import (
     DisposeScope,
     LeakRecord,
@@ -34,11 +37,18 @@ __all__ = [
     "DisposeScope",
     "DisposedTensor",
     "DisposedTensorError",
+    "Flow",
+    "Genoa",
     "InvalidArgumentError",
     "LeakRecord",
     "LeakWarning",
+    "ManagedModule",
+    "ManagedParameter",
     "OutOfBudgetError",
+    "Policy",
     "ResidencyError",
+    "ResidencyManager",
+    "ResidencyReport",
     "ScheduleError",
     "ScopeError",
     "Stats",
@@ -49,8 +59,10 @@ __all__ = [
     "dispose",
     "dispose_everything",
     "dispose_everything_but",
+    "manage",
     "ref",
     "reset_stats",
+    "residency",
     "scope",
     "stats",
 ]

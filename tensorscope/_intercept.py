@@ -50,6 +50,7 @@ from tensorscope import _saved
 from tensorscope._sites import capture_site
 from tensorscope._state import (
     CURRENT_SCOPE,
+    ORIGINAL_FROMBUFFER,
     STATES,
     Counters,
     RefState,
@@ -60,6 +61,7 @@ from tensorscope._state import (
 from tensorscope.ref import TensorRef, grad_owner_for, mark_grad_of, resolve_open, unown_buffer
 
 if TYPE_CHECKING:
+    from tensorscope.residency import ResidencyManager
     from tensorscope.scope import DisposeScope as Owner
 
 __all__ = ["Interceptor", "acquire", "release"]
@@ -126,6 +128,8 @@ class Interceptor(TorchDispatchMode):  # type: ignore[no-untyped-call]
         # One entry per open record_function: True for torch.optim's step/zero_grad regions.
         self.records: list[bool] = []
         self.paused = 0
+        # The residency manager, while managed tensors are used on this thread.
+        self.manager: ResidencyManager | None = None
 
     def __torch_dispatch__(
         self,
@@ -137,7 +141,10 @@ class Interceptor(TorchDispatchMode):  # type: ignore[no-untyped-call]
         kind = _KINDS.get(func)
         if kind is None:
             kind = _classify(func)
-        out = func._op(*args, **kwargs) if kwargs else func._op(*args)
+        if self.manager is not None:
+            out = self._run_managed(self.manager, func, kind, args, kwargs)
+        else:
+            out = func._op(*args, **kwargs) if kwargs else func._op(*args)
         if kind:
             if kind == _MUTATING:
                 return out
@@ -171,6 +178,37 @@ class Interceptor(TorchDispatchMode):  # type: ignore[no-untyped-call]
                     adopt(item, scope, self.counters)
         return out
 
+    def _run_managed(
+        self,
+        manager: ResidencyManager,
+        func: Any,
+        kind: int,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any] | None,
+    ) -> Any:
+        """Run ``func`` with its managed operands resident; manage what it creates if due."""
+        operands = manager.operands(args, kwargs)
+        if not operands:
+            return func._op(*args, **kwargs) if kwargs else func._op(*args)
+        group = 0
+        if kind == _MUTATING:
+            manage_results = False
+        elif (
+            kind == _GRAD_CANDIDATE
+            and _graph_task_id() != -1
+            and (type(node := _current_node()) is _ACCUMULATE_GRAD)
+        ):
+            leaf = manager.placement_of(node.variable)  # type: ignore[attr-defined]
+            manage_results = leaf is not None
+            group = leaf.uid if leaf is not None else 0
+        else:
+            manage_results = self.paused > 0 or resolve_open(CURRENT_SCOPE.get()) is not None
+        estimate = manager.estimate_results(func, args, kwargs or {}) if manage_results else 0
+        manager.before_op(func, operands, estimate)
+        out = func._op(*args, **kwargs) if kwargs else func._op(*args)
+        manager.after_op(func, operands, out, manage_results, kind == _MUTATING, group)
+        return out
+
     def _adopted_as_grad(self, out: Any) -> bool:
         """True when ``out`` is a ``.grad`` in the making (then it was handled here)."""
         node = _current_node()
@@ -200,7 +238,7 @@ def _install_global_hooks() -> None:
     torch.frombuffer = _frombuffer
 
 
-_original_frombuffer = torch.frombuffer
+_original_frombuffer = ORIGINAL_FROMBUFFER
 
 
 @functools.wraps(_original_frombuffer)
@@ -220,6 +258,8 @@ def _before_step(optimizer: Any, args: Any, kwargs: Any) -> None:
     if data.suspended:
         _resume(data)  # the previous step raised and the exception was caught
     interceptor = data.interceptor
+    if interceptor is not None and interceptor.manager is not None:
+        return  # managed parameters, grads and state are used here: keep intercepting
     if data.pushed and interceptor is not None and _mode_on_top(interceptor):
         torch._C._pop_torch_dispatch_stack(None)
         data.suspended = True
@@ -227,6 +267,8 @@ def _before_step(optimizer: Any, args: Any, kwargs: Any) -> None:
 
 def _after_step(optimizer: Any, args: Any, kwargs: Any) -> None:
     data = thread_data()
+    if data.interceptor is not None and data.interceptor.manager is not None:
+        data.interceptor.manager.iteration_boundary()
     if data.suspended and data.interceptor is not None:
         torch._C._push_on_torch_dispatch_stack(data.interceptor)
         data.suspended = False
@@ -288,3 +330,16 @@ def _pop(data: ThreadData) -> None:
 def _mode_on_top(mode: TorchDispatchMode) -> bool:
     depth = torch._C._len_torch_dispatch_stack()
     return depth > 0 and torch._C._get_dispatch_stack_at(depth - 1) is mode
+
+
+def activate_residency(data: ThreadData, manager: ResidencyManager) -> None:
+    """Intercept ops on this thread for the residency manager (until deactivated)."""
+    acquire(data)
+    assert data.interceptor is not None
+    data.interceptor.manager = manager
+
+
+def deactivate_residency(data: ThreadData) -> None:
+    if data.interceptor is not None:
+        data.interceptor.manager = None
+    release(data)

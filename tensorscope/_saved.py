@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from tensorscope._sites import Site, format_site
-from tensorscope._state import Disposal, RefState, state_of
+from tensorscope._state import STORAGE_HOLDERS, Disposal, RefState, state_of
 from tensorscope.ref import DisposedTensor, disposed_error, disposed_error_for, plain_alias
 
 __all__ = ["SavedAlias", "empty_unheld_aliases", "pack", "unpack"]
@@ -111,6 +111,7 @@ def empty_unheld_aliases(
             continue
         aliases = [saved for entry in list(entries.values()) if (saved := entry()) is not None]
         surplus = torch._C._storage_Use_Count(key) - 1 - refs_per_storage.get(key, 0)
+        surplus -= sum(holders(key) for holders in STORAGE_HOLDERS)
         if surplus - len(aliases) > 0:
             still_held.append(key)
             continue

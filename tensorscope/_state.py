@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import threading
 import weakref
+from collections.abc import Callable
 from contextvars import ContextVar
 from typing import TYPE_CHECKING, Any
 
@@ -209,6 +210,14 @@ def thread_data() -> ThreadData:
     """This thread's :class:`ThreadData`."""
     return _local.data
 
+
+# The residency manager's view of storages, for disposal (ref.py) without importing it:
+# how many references to a storage it holds itself, and a call after refs were disposed.
+STORAGE_HOLDERS: list[Callable[[int], int]] = []
+DISPOSAL_LISTENERS: list[Callable[[list[int]], None]] = []
+
+# torch.frombuffer before the interceptor wraps it (internal buffers must not become refs).
+ORIGINAL_FROMBUFFER = torch.frombuffer
 
 # The innermost open scope of this thread / asyncio task (contextvars give both for free).
 CURRENT_SCOPE: ContextVar[Owner | None] = ContextVar("tensorscope_current_scope", default=None)

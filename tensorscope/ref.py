@@ -34,6 +34,7 @@ from tensorscope._sites import capture_site, format_site
 from tensorscope._state import (
     CONVERTED,
     CURRENT_SCOPE,
+    DISPOSAL_LISTENERS,
     Disposal,
     RefState,
     new_state,
@@ -87,7 +88,40 @@ def set_owner(state: RefState, new_owner: Owner | None) -> None:
         new_owner._owned[key] = state
 
 
-class TensorRef(torch.Tensor):
+class ResidencyMethods:
+    """``tier``, ``promote()`` and ``demote()``: residency for refs and managed parameters."""
+
+    __slots__ = ()
+
+    @property
+    def tier(self) -> str:
+        """Where this tensor's data is now: "device", "host" or "disk" (API.md §4)."""
+        from tensorscope.residency import residency
+
+        _check_live(self)  # type: ignore[arg-type]
+        return residency.tier_of(self)  # type: ignore[arg-type]
+
+    def promote(self) -> Self:
+        """Bring the data to the device tier, making room under the budget."""
+        from tensorscope.residency import residency
+
+        _check_live(self)  # type: ignore[arg-type]
+        residency.promote(self)  # type: ignore[arg-type]
+        return self
+
+    def demote(self, tier: str | None = None) -> Self:
+        """Move the data down to ``tier`` ("host" or "disk"; default: the next tier down).
+
+        Identity, views, autograd's saved tensors and an optimizer's reference are unchanged.
+        """
+        from tensorscope.residency import residency
+
+        _check_live(self)  # type: ignore[arg-type]
+        residency.demote(self, tier)  # type: ignore[arg-type]
+        return self
+
+
+class TensorRef(ResidencyMethods, torch.Tensor):
     """A tensor tensorscope tracks: owned by a dispose scope, disposable, movable between tiers.
 
     ``isinstance(t, torch.Tensor)`` holds and every torch function accepts it. Inside
@@ -387,6 +421,11 @@ def dispose_states(states: Iterable[RefState], reason: str) -> None:
     for tensor, _state in batch:
         _release(tensor)
         tensor.__class__ = DisposedTensor
+    if DISPOSAL_LISTENERS and storages:
+        keys = list(storages)
+        storages.clear()  # drop our own references first
+        for listener in DISPOSAL_LISTENERS:
+            listener(keys)
 
 
 def _storage_key(tensor: torch.Tensor, storages: dict[int, torch.UntypedStorage]) -> int | None:

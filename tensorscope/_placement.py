@@ -1,0 +1,196 @@
+"""A placement: one managed storage, which tier its bytes are on, and how they move.
+
+Placements are keyed by the address of the storage's ``StorageImpl``: every tensor sharing the
+storage (views, autograd's saved copies, an optimizer's reference, the wrapper autograd makes
+when it unpacks a saved tensor) finds the same placement, whatever Python object it is.
+The placement holds one reference to the storage; when that is the only one left (the storage's
+use count is 1), nothing else can use the bytes and the manager forgets the placement.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+import time
+from collections.abc import Hashable
+
+import torch
+
+from tensorscope._torch import new_storage, storage_use_count
+from tensorscope.errors import ResidencyError
+from tensorscope.tiers import (
+    DeviceTier,
+    DiskRegion,
+    DiskTier,
+    HostTier,
+    TierName,
+    empty_storage,
+    swap_in,
+)
+
+__all__ = ["Movers", "Placement"]
+
+_uids = itertools.count(1)
+_quiet = torch._C._DisableTorchDispatch
+
+
+class Placement:
+    """Where one managed storage's bytes are."""
+
+    __slots__ = (
+        "group",
+        "host",
+        "key",
+        "last_use",
+        "nbytes",
+        "pending",
+        "region",
+        "role",
+        "storage",
+        "tier",
+        "uid",
+        "written",
+    )
+
+    def __init__(self, storage: torch.UntypedStorage, role: Hashable | None, group: int) -> None:
+        self.uid = next(_uids)
+        self.storage = storage
+        self.key = int(storage._cdata)
+        self.nbytes = storage.nbytes()
+        self.tier: TierName = "device"
+        self.region: DiskRegion | None = None  # the disk copy (CPU device: the memory itself)
+        self.host: torch.UntypedStorage | None = None  # pinned copy (CUDA device only)
+        self.role: Hashable = self.uid if role is None else role  # identity across iterations
+        self.group = group  # uid of the parameter this belongs to (its grad, optimizer state)
+        self.last_use = -1
+        self.pending: threading.Event | None = None  # a prefetch in flight
+        self.written = False
+
+    def alive_elsewhere(self) -> bool:
+        """Whether anything but this placement still holds the storage."""
+        return storage_use_count(self.key) > 1
+
+    def wait(self) -> None:
+        """Block until a prefetch of this placement (if any) has landed."""
+        pending = self.pending
+        if pending is not None:
+            pending.wait()
+            self.pending = None
+
+    def __repr__(self) -> str:
+        return f"<Placement #{self.uid} {self.nbytes} B on {self.tier}>"
+
+
+class Movers:
+    """Byte moves between tiers for one device; each returns the seconds it took.
+
+    On a CPU device the disk region becomes the storage's memory at the first demotion (a copy,
+    then a data-pointer swap); later moves only drop or map pages (see tiers.py's NOTE). On CUDA
+    every move copies and swaps (device memory goes back to the caching allocator).
+    """
+
+    def __init__(self, device: DeviceTier, host: HostTier | None, disk: DiskTier) -> None:
+        self.device = device
+        self.host = host
+        self.disk = disk
+
+    # ------------------------------------------------------------------------------ demote
+    def demote(self, placement: Placement, target: TierName) -> float:
+        with _quiet():  # the manager's own copies must not re-enter the interceptor
+            return self._demote(placement, target)
+
+    def _demote(self, placement: Placement, target: TierName) -> float:
+        start = time.perf_counter()
+        placement.wait()
+        source = placement.tier
+        if target == source:
+            return 0.0
+        if self.device.is_cpu:
+            self._to_disk_cpu(placement)
+        elif target == "host":
+            if self.host is None:
+                raise ResidencyError("tensorscope.residency: no host tier on this device")
+            host = self.host.allocate(placement.nbytes)
+            host.copy_(placement.storage)
+            self._release_device(placement)
+            placement.host = host
+        else:
+            region = placement.region or self.disk.allocate(placement.nbytes)
+            view = region.storage()
+            pinned = placement.host
+            view.copy_(pinned if source == "host" and pinned is not None else placement.storage)
+            if source == "device":
+                self._release_device(placement)
+            placement.host = None
+            placement.region = region
+        placement.tier = target
+        return time.perf_counter() - start
+
+    def _to_disk_cpu(self, placement: Placement) -> None:
+        storage = placement.storage
+        if placement.region is None:
+            region = self.disk.allocate(placement.nbytes)  # may raise: nothing changed yet
+            mapped = region.storage()
+            mapped.copy_(storage)
+            swap_in(storage, mapped)  # the storage's memory is now the mapped file
+            placement.region = region
+            del mapped  # the old heap memory goes back to the allocator here
+        placement.region.drop(storage.data_ptr())
+
+    def _release_device(self, placement: Placement) -> None:
+        if self.device.device.type == "cuda":
+            torch.cuda.current_stream(self.device.device).synchronize()
+        swap_in(placement.storage, empty_storage(self.device.device))
+
+    # ----------------------------------------------------------------------------- promote
+    def check_readable(self, placement: Placement) -> None:
+        region = placement.region
+        if placement.tier == "disk" and (region is None or not region.intact()):
+            raise ResidencyError(
+                f"tensorscope.residency: the offload file of a {placement.nbytes}-byte tensor is "
+                "missing or truncated; its data cannot be read back. It stays on the disk tier."
+            )
+
+    def promote(self, placement: Placement, background: bool = False) -> float:
+        """Bring the bytes to the device (``check_readable`` first: this must not fail)."""
+        with _quiet():
+            return self._promote(placement, background)
+
+    def _promote(self, placement: Placement, background: bool) -> float:
+        start = time.perf_counter()
+        if placement.tier == "device":
+            return 0.0
+        if self.device.is_cpu:
+            region = placement.region
+            assert region is not None  # a CPU placement off the device always has a region
+            region.populate(placement.storage.data_ptr(), write=placement.written)
+        else:
+            fresh = self.device.allocate(placement.nbytes)
+            if placement.tier == "host" and placement.host is not None:
+                source = placement.host
+            else:
+                assert placement.region is not None
+                source = placement.region.storage()
+            fresh.copy_(source, non_blocking=background)
+            swap_in(placement.storage, fresh)
+            placement.host = None
+        placement.tier = "device"
+        return time.perf_counter() - start
+
+    def materialize(self, placement: Placement) -> None:
+        """Give the storage ordinary device memory again (used when a tensor stops being
+        managed), so nothing keeps pointing into an offload file."""
+        with _quiet():
+            self._materialize(placement)
+
+    def _materialize(self, placement: Placement) -> None:
+        if self.device.is_cpu:
+            if placement.region is not None:
+                fresh = new_storage(placement.nbytes)
+                fresh.copy_(placement.storage)
+                swap_in(placement.storage, fresh)
+                placement.region.close()
+                placement.region = None
+        else:
+            self.promote(placement)
+        placement.tier = "device"

@@ -1,0 +1,106 @@
+"""Record the ops of an iteration and detect where iterations begin.
+
+An iteration ends at an explicit boundary (the manager calls :meth:`Recorder.boundary` after
+each optimizer step) or when the op that began the previous iteration comes again: the same
+function touching the same tensors, which is how a repeated forward (inference) looks.
+A trace that diverges from its predecessor stops predicting until the next boundary; the next
+iteration is recorded afresh. Pure Python: keys are opaque hashables.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable
+from dataclasses import dataclass, field
+
+from tensorscope.graph.analysis import NextUse
+
+__all__ = ["Recorder", "Trace"]
+
+_MIN_ITERATION_OPS = 4
+
+
+@dataclass
+class Trace:
+    """The ops of one iteration: ``signatures[i]`` names op i, ``keys[i]`` what it touched."""
+
+    signatures: list[Hashable] = field(default_factory=list)
+    keys: list[tuple[Hashable, ...]] = field(default_factory=list)
+
+    def __len__(self) -> int:
+        return len(self.keys)
+
+
+class Recorder:
+    """Keeps the current iteration's trace and the previous one, aligned by op index.
+
+    Example:
+        >>> r = Recorder()
+        >>> for _ in range(2):
+        ...     for name, keys in [("mm", ("w1",)), ("relu", ()), ("mm", ("w2",)), ("add", ()),
+        ...                        ("sum", ())]:
+        ...         r.record(name, keys)
+        >>> r.iterations, r.predicting, r.position
+        (1, True, 4)
+    """
+
+    def __init__(self) -> None:
+        self.current = Trace()
+        self.previous: NextUse | None = None
+        self._previous_signatures: list[Hashable] = []
+        self.iterations = 0  # completed iterations
+        self.diverged = False
+
+    @property
+    def position(self) -> int:
+        """Index of the last recorded op in the current iteration (-1 before the first)."""
+        return len(self.current) - 1
+
+    @property
+    def predicting(self) -> bool:
+        """Whether the previous iteration predicts this one (recorded and not diverged)."""
+        return self.previous is not None and not self.diverged
+
+    def starts_iteration(self, signature: Hashable, keys: tuple[Hashable, ...]) -> bool:
+        trace = self.current
+        return (
+            len(trace) >= _MIN_ITERATION_OPS
+            and signature == trace.signatures[0]
+            and keys == trace.keys[0]
+        )
+
+    def record(self, signature: Hashable, keys: tuple[Hashable, ...]) -> None:
+        """Append one op (starting a new iteration first if it is the start of the last one)."""
+        if self.starts_iteration(signature, keys):
+            self.boundary()
+        index = len(self.current)
+        if self.previous is not None and not self.diverged:
+            expected = self._previous_signatures
+            if index >= len(expected) or expected[index] != signature:
+                self.diverged = True
+        self.current.signatures.append(signature)
+        self.current.keys.append(keys)
+
+    def boundary(self) -> None:
+        """End the current iteration: it becomes the prediction for the next one."""
+        if len(self.current) == 0:
+            return
+        self.previous = NextUse(self.current.keys)
+        self._previous_signatures = self.current.signatures
+        self.current = Trace()
+        self.iterations += 1
+        self.diverged = False
+
+    def next_use(self, key: Hashable) -> int | None:
+        """Predicted op index (in this iteration) at which ``key`` is used next, or None."""
+        if self.previous is None or self.diverged:
+            return None
+        return self.previous.after(key, self.position)
+
+    def upcoming(self, limit: int) -> list[Hashable]:
+        """Keys the previous iteration used next, in order, at most ``limit``."""
+        if self.previous is None or self.diverged:
+            return []
+        return self.previous.upcoming(self.position, limit)
+
+    def reset(self) -> None:
+        self.__init__()  # type: ignore[misc]

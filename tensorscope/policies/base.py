@@ -1,0 +1,87 @@
+"""The policy protocol: pure decisions over an immutable snapshot; the manager applies them.
+
+A policy never touches tensors, tiers or locks. Before an op whose operands do not fit, the
+manager asks :meth:`Policy.evict` which device-resident placements to demote; after every op
+it asks :meth:`Policy.after_op` for demotions and prefetches. Keys are placement ids.
+
+Example (a policy that never keeps anything it does not need right now):
+    >>> class Stingy:
+    ...     name = "stingy"
+    ...     wants_snapshot_after_op = False
+    ...     def evict(self, snapshot, needed_bytes):
+    ...         return [e.key for e in snapshot.entries if not e.busy]
+    ...     def after_op(self, op):
+    ...         return [Action("demote", k) for k in op.operands + op.results]
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal, Protocol, runtime_checkable
+
+__all__ = ["Action", "Entry", "OpView", "Policy", "Snapshot"]
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One managed placement as the policy sees it."""
+
+    key: int
+    nbytes: int
+    tier: str  # "device" | "host" | "disk"
+    last_use: int  # manager clock (ops) of its last use; -1 if never used
+    next_use: int | None  # predicted op index of its next use in this iteration; None: unknown
+    busy: bool  # an operand of the op in flight: must stay on the device
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    """The state a decision may depend on; ``entries`` are the device-resident placements."""
+
+    budget_bytes: int | None
+    device_bytes: int
+    clock: int
+    entries: tuple[Entry, ...]
+    # Placements the previous iteration used next (not resident), nearest first.
+    upcoming: tuple[Entry, ...] = field(default_factory=tuple)
+
+    @property
+    def headroom_bytes(self) -> int | None:
+        if self.budget_bytes is None:
+            return None
+        return self.budget_bytes - self.device_bytes
+
+
+@dataclass(frozen=True)
+class OpView:
+    """The op that just ran: its managed operands and results (keys)."""
+
+    name: str
+    operands: tuple[int, ...]
+    results: tuple[int, ...]
+    snapshot: Snapshot | None = None  # present when the policy asks for it
+
+
+@dataclass(frozen=True)
+class Action:
+    """``demote`` a placement to the next lower tier, or ``prefetch`` it onto the device."""
+
+    kind: Literal["demote", "prefetch"]
+    key: int
+
+
+@runtime_checkable
+class Policy(Protocol):
+    """What the residency manager needs of a policy (see the module docstring)."""
+
+    name: str
+    # Whether after_op needs a full Snapshot (costs O(placements) per op to build).
+    wants_snapshot_after_op: bool
+
+    def evict(self, snapshot: Snapshot, needed_bytes: int) -> list[int]:
+        """Keys of non-busy device-resident entries to demote, freeing >= ``needed_bytes``."""
+        ...
+
+    def after_op(self, op: OpView) -> list[Action]:
+        """Demotions and prefetches to apply after ``op``."""
+        ...
