@@ -1,0 +1,1 @@
+"""Optimal activation checkpointing (rotor) under a memory limit."""
