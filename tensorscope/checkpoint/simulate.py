@@ -30,7 +30,9 @@ __all__ = ["Simulation", "Simulator", "simulate"]
 #   Fe(k)   creates xbar[k+1], + fw_tmp[k]; keeps its input (backward needs it).
 #   Loss    reads x_L, creates d[L], + loss_tmp; then frees a plain x[L].
 #   B(k)    reads xbar[k+1], d[k+1] and x_k; creates d[k], + bw_tmp[k]; then frees xbar[k+1],
-#           d[k+1] and a plain x[k] (k > 0): nothing after B(k) needs them.
+#           d[k+1] and a plain x[k] (k > 0): nothing after B(k) needs them -- except d[L]:
+#           autograd holds the chain output's gradient as the incoming gradient of the
+#           executor's Function until that backward returns, so d[L] stays alive to the end.
 # The chain input x[0] is alive throughout (mem_limit includes it). Time is the sum of fw[k]
 # over forward ops plus bw[k] over B ops. Validity rules: an op needs its inputs alive; a value
 # is never computed while it is already available (no duplicate x_k); no forward of layer k
@@ -162,7 +164,8 @@ class Simulator:
                 self.time += c.bw[k]
                 self._add(("d", k), c.x_sizes[k])
                 self._drop(("xbar", k + 1))
-                self._drop(("d", k + 1))
+                if k + 1 < c.length:
+                    self._drop(("d", k + 1))
                 if k > 0:
                     self._drop(("x", k))
                 self.backward_done.add(k)

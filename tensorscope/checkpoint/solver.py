@@ -31,6 +31,10 @@ MAX_TABLE_WORK = 150_000_000
 #       gets m - (x_i + xbar_{i+1} - x_{i+1}); Fe(i) and B(i) must fit m on their own.
 #   Fck(i) Fn(i+1) .. Fn(j-1), then (j, l) with x_i held outside it (m - x_i), then (i, j-1),
 #       which starts from x_i and d[j]: the checkpoint x_j was freed by (j, l)'s B(j).
+# The output gradient d[L], created by the loss, stays alive to the end (autograd holds it).
+# Sub-problems with l < L - 1 run after the loss and leave it outside their m; those with
+# l >= L - 1 hold it once B(L-1) (or the loss) ran: their B(i), i < L - 1, counts it, and their
+# left child (i, j-1) gets m - x_L unless d[L] is that child's own incoming gradient (j = L).
 # With these exact terms every schedule the table describes simulates (simulate.py) to the
 # same time and to a peak <= m; rotor's published tables check Fe(i) against the wrong
 # gradient size, so their schedules can exceed the limit. Tests brute-force all valid
@@ -69,6 +73,8 @@ class _Terms:
         self.fe_need = [x[i] + xb[i + 1] + c.fw_tmp[i] for i in range(n)]
         self.b_need = [2 * x[i] + xb[i + 1] + x[i + 1] + c.bw_tmp[i] for i in range(n)]
         self.loss_need = 2 * x[n] + c.loss_tmp
+        # The output gradient d[L] stays alive from the loss to the end (simulate.py).
+        self.kept = x[n]
         # sweep[i][j]: peak above x_i and d[l+1] of Fck(i) Fn(i+1) .. Fn(j-1), for j > i.
         self.sweep = [[0] * (n + 1) for _ in range(n + 1)]
         for i in range(n):
@@ -81,6 +87,16 @@ class _Terms:
     def grad_in(self, l_: int) -> int:
         return self.x[l_ + 1] if l_ < self.n else 0
 
+    def own_need(self, i: int, l_: int) -> int:
+        """Peak of Fe(i) and of B(i) within sub-problem (i, l) (d[L] counted where held)."""
+        late = l_ >= self.n - 1 and i < self.n - 1  # B(i) runs after B(L-1), d[L] still held
+        return max(self.fe_need[i] + self.grad_in(l_), self.b_need[i] + late * self.kept)
+
+    def left_shift(self, l_: int, j: int) -> int:
+        """What the left child (i, j-1) of (i, l) must leave to d[L]: all of it if d[L] is
+        alive when it starts (l >= L-1) but not its own incoming gradient (j-1 < L-1)."""
+        return self.kept if l_ >= self.n - 1 and j - 1 < self.n - 1 else 0
+
     def bounds(self) -> tuple[list[list[int]], list[list[int]]]:
         """lo[i][l] (least memory of any schedule) and hi[i][l] (store-all peak)."""
         n, x = self.n, self.x
@@ -89,7 +105,7 @@ class _Terms:
         lo[n][n] = hi[n][n] = self.loss_need
         for i in range(n - 1, -1, -1):
             for l_ in range(i, n + 1):
-                own = max(self.fe_need[i] + self.grad_in(l_), self.b_need[i])
+                own = self.own_need(i, l_)
                 if l_ == i:
                     lo[i][l_] = hi[i][l_] = own
                     continue
@@ -97,7 +113,8 @@ class _Terms:
                 best = max(own, lo[i + 1][l_] + self.shift[i])
                 g = self.grad_in(l_)
                 for j in range(i + 1, l_ + 1):
-                    need = max(x[i] + g + self.sweep[i][j], lo[j][l_] + x[i], lo[i][j - 1])
+                    left = lo[i][j - 1] + self.left_shift(l_, j)
+                    need = max(x[i] + g + self.sweep[i][j], lo[j][l_] + x[i], left)
                     best = min(best, need)
                 lo[i][l_] = best
         return lo, hi
@@ -147,18 +164,19 @@ class _Table:
                 if b <= a:
                     continue
                 cands: list[list[float]] = []
-                start = max(a, t.fe_need[i] + t.grad_in(l_), t.b_need[i])
+                start = max(a, t.own_need(i, l_))
                 if start < b:
                     s = t.shift[i]
                     child = self.window(i + 1, l_, start - s, b - s)
                     cands.append([INF] * (start - a) + list(map(t.fwbw[i].__add__, child)))
                 base = t.x[i] + t.grad_in(l_)
                 for j in range(i + 1, l_ + 1):
+                    ls = t.left_shift(l_, j)
                     start = max(a, base + t.sweep[i][j])
                     if start >= b:
                         break  # the sweep only gets more expensive with j
                     right = self.window(j, l_, start - t.x[i], b - t.x[i])
-                    left = self.window(i, j - 1, start, b)
+                    left = self.window(i, j - 1, start - ls, b - ls)
                     cost = t.fwd[j] - t.fwd[i]
                     both = map(cost.__add__, map(add, right, left))
                     cands.append([INF] * (start - a) + list(both))
@@ -171,13 +189,14 @@ class _Table:
         """(time, j) for each feasible choice at (m, i, l); j == i means Fe(i)."""
         t = self.t
         out: list[tuple[float, int]] = []
-        if m >= max(t.fe_need[i] + t.grad_in(l_), t.b_need[i]):
+        if m >= t.own_need(i, l_):
             out.append((t.fwbw[i] + self.value(i + 1, l_, m - t.shift[i]), i))
         base = t.x[i] + t.grad_in(l_)
         for j in range(i + 1, l_ + 1):
             if m < base + t.sweep[i][j]:
                 break
-            right, left = self.value(j, l_, m - t.x[i]), self.value(i, j - 1, m)
+            right = self.value(j, l_, m - t.x[i])
+            left = self.value(i, j - 1, m - t.left_shift(l_, j))
             out.append(((t.fwd[j] - t.fwd[i]) + (right + left), j))
         return out
 
@@ -202,7 +221,7 @@ class _Table:
                     stack += [("B", i), (i + 1, l_, mem - t.shift[i])]
                     out.append(("Fe", i))
                 else:
-                    stack += [(i, j - 1, mem), (j, l_, mem - t.x[i])]
+                    stack += [(i, j - 1, mem - t.left_shift(l_, j)), (j, l_, mem - t.x[i])]
                     out.append(("Fck", i))
                     out.extend(("Fn", k) for k in range(i + 1, j))
         return out
@@ -265,10 +284,10 @@ def _min_memory_ops(chain: Chain) -> list[Op]:
             out.extend(store_all_ops(i, l_, n))
             continue
         g = t.grad_in(l_)
-        own = max(t.fe_need[i] + g, t.b_need[i])
-        best, best_j = max(own, lo[i + 1][l_] + t.shift[i]), i
+        best, best_j = max(t.own_need(i, l_), lo[i + 1][l_] + t.shift[i]), i
         for j in range(i + 1, l_ + 1):
-            need = max(x[i] + g + t.sweep[i][j], lo[j][l_] + x[i], lo[i][j - 1])
+            left = lo[i][j - 1] + t.left_shift(l_, j)
+            need = max(x[i] + g + t.sweep[i][j], lo[j][l_] + x[i], left)
             if need < best:
                 best, best_j = need, j
         if best_j == i:
