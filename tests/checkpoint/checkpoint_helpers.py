@@ -1,5 +1,6 @@
-"""Brute force over every valid schedule of a tiny chain: Dijkstra on the simulator's states.
+"""Test helpers: chain strategies, and brute force over every valid schedule of a tiny chain.
 
+Brute force is Dijkstra on the simulator's states.
 The simulator's state (the set of alive values) determines everything that matters for the
 rest of a schedule, and every op's peak depends only on it, so a shortest path over states is
 an exhaustive search over schedules: no structure of the dynamic program is assumed.
@@ -12,6 +13,8 @@ import heapq
 import itertools
 import math
 from collections.abc import Callable
+
+from hypothesis import strategies as st
 
 from tensorscope.checkpoint.chain import Chain, Op
 from tensorscope.checkpoint.simulate import Simulator
@@ -79,4 +82,23 @@ def least_memory(chain: Chain, *, persistent: bool = True) -> float:
     """Least peak of any valid schedule."""
     return _search(
         chain, float(chain.x_sizes[0]), lambda acc, peak, op: max(acc, float(peak)), persistent
+    )
+
+
+@st.composite
+def chains(draw: st.DrawFn, max_layers: int = 4, max_size: int = 6) -> Chain:
+    """Small chains with integer times (so sums are exact) and integer sizes."""
+    n = draw(st.integers(1, max_layers))
+    size = st.integers(0, max_size)
+    small = st.integers(0, 3)
+    x = draw(st.lists(size, min_size=n + 1, max_size=n + 1))
+    extra = draw(st.lists(size, min_size=n, max_size=n))
+    return Chain(
+        draw(st.lists(st.integers(0, 5), min_size=n, max_size=n)),
+        draw(st.lists(st.integers(0, 5), min_size=n, max_size=n)),
+        x,
+        [0] + [x[k + 1] + extra[k] for k in range(n)],
+        draw(st.lists(small, min_size=n, max_size=n)),
+        draw(st.lists(small, min_size=n, max_size=n)),
+        draw(small),
     )
