@@ -202,6 +202,7 @@ class Checkpointable(nn.Module):
         limit = self.mem_limit if self.mem_limit is not None else self._default_limit()
         on_cpu = self._measured is not None and self._measured[0].type == "cpu"
         reserve = RNG_STATE_NBYTES * chain.length if self.preserve_rng_state and on_cpu else 0
+        self.reserved_nbytes = reserve
         top = store_all_memory(chain)
         if limit is None or limit - reserve >= top:
             schedule = solve(chain, top)
@@ -211,7 +212,7 @@ class Checkpointable(nn.Module):
                 raise self._too_small(limit, least, top + reserve)
             schedule = solve(chain, limit - reserve, slots=self.slots)
         executor = Executor(self.stages, schedule.ops, preserve_rng_state=self.preserve_rng_state)
-        self.schedule, self.solved_limit, self.reserved_nbytes = schedule, limit, reserve
+        self.schedule, self.solved_limit = schedule, limit
         self._executor = executor
         return executor
 

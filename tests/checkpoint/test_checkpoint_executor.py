@@ -1,0 +1,175 @@
+"""Running schedules: gradients, RNG replay, BatchNorm statistics, and memory op by op."""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+
+import pytest
+import torch
+from torch import nn
+
+from tensorscope.checkpoint import Chain, min_memory, solve, store_all_memory
+from tensorscope.checkpoint import executor as executor_module
+from tensorscope.checkpoint.chain import Op
+from tensorscope.checkpoint.executor import Executor
+from tensorscope.checkpoint.profile import measure
+from tensorscope.checkpoint.simulate import Simulator
+from tensorscope.checkpoint.tracker import StorageTracker
+
+WIDTH = 32
+
+
+def make_layers(seed: int = 0) -> list[nn.Module]:
+    torch.manual_seed(seed)
+    layers: list[nn.Module] = []
+    for _ in range(3):
+        layers += [nn.Linear(WIDTH, WIDTH), nn.BatchNorm1d(WIDTH), nn.Dropout(0.3), nn.Tanh()]
+    layers.append(nn.Linear(WIDTH, 3))
+    return layers
+
+
+def schedules(layers: list[nn.Module], x: torch.Tensor) -> list[tuple[Op, ...]]:
+    chain = measure(layers, x, repeats=1).to_chain()
+    least, top = min_memory(chain), store_all_memory(chain)
+    limits = [least, (least + top) // 2, top]
+    return [solve(chain, limit, slots=200).ops for limit in limits]
+
+
+def step(
+    layers: list[nn.Module], ops: tuple[Op, ...] | None, x: torch.Tensor
+) -> tuple[torch.Tensor, list[torch.Tensor | None]]:
+    torch.manual_seed(1)
+    out = Executor(layers, ops)(x) if ops is not None else nn.Sequential(*layers)(x)
+    (out * torch.linspace(-1, 1, out.numel()).view_as(out)).sum().backward()
+    return out.detach(), [p.grad for m in layers for p in m.parameters()]
+
+
+@pytest.mark.parametrize("input_grad", [False, True])
+def test_same_outputs_gradients_and_statistics_as_plain(input_grad: bool) -> None:
+    x = torch.randn(16, WIDTH)
+    plain = make_layers()
+    ops_list = schedules(plain, x)
+    assert len({len(ops) for ops in ops_list}) == 3  # three really different schedules
+    x_ref = x.clone().requires_grad_(input_grad)
+    out_ref, grads_ref = step(plain, None, x_ref)
+    for ops in ops_list:
+        layers = make_layers()
+        x_ck = x.clone().requires_grad_(input_grad)
+        out, grads = step(layers, ops, x_ck)
+        assert torch.equal(out, out_ref)  # dropout masks replayed
+        assert all(torch.equal(a, b) for a, b in zip(grads, grads_ref))  # type: ignore[arg-type]
+        if input_grad:
+            assert torch.equal(x_ck.grad, x_ref.grad)  # type: ignore[arg-type]
+        for m, m_ref in zip(layers, plain):
+            for b, b_ref in zip(m.buffers(), m_ref.buffers()):
+                assert torch.equal(b, b_ref)  # running stats updated once, not per recompute
+        assert int(layers[1].num_batches_tracked) == 1  # type: ignore[arg-type]
+
+
+def test_global_rng_stream_is_the_plain_models() -> None:
+    x = torch.randn(16, WIDTH)
+    plain = make_layers()
+    ops = schedules(plain, x)[0]
+    step(plain, None, x)
+    after_plain = torch.rand(4)
+    step(make_layers(), ops, x)
+    assert torch.equal(torch.rand(4), after_plain)
+
+
+def test_autograd_grad_and_shared_parameters() -> None:
+    torch.manual_seed(0)
+    shared = nn.Linear(8, 8)
+    layers: list[nn.Module] = [shared, nn.Tanh(), shared, nn.Tanh()]
+    x = torch.randn(4, 8)
+    chain = measure(layers, x, repeats=1).to_chain()
+    ops = solve(chain, min_memory(chain)).ops
+    loss = Executor(layers, ops)(x).pow(2).sum()
+    grads = torch.autograd.grad(loss, list(shared.parameters()))
+    expected = torch.autograd.grad(nn.Sequential(*layers)(x).pow(2).sum(), list(shared.parameters()))
+    for g, e in zip(grads, expected):
+        torch.testing.assert_close(g, e)
+    with pytest.raises(RuntimeError, match="ran twice"):
+        out = Executor(layers, ops)(x).sum()
+        out.backward(retain_graph=True)
+        out.backward()
+
+
+def test_integer_input_and_autocast() -> None:
+    torch.manual_seed(0)
+    layers: list[nn.Module] = [nn.Embedding(10, 16), nn.Linear(16, 16), nn.GELU(), nn.Linear(16, 4)]
+    tokens = torch.randint(0, 10, (8, 5))
+    chain = measure(layers, tokens, repeats=1).to_chain()
+    ops = solve(chain, min_memory(chain)).ops
+    assert ops.count(("Fck", 0)) + ops.count(("Fn", 1)) > 1  # layers really are recomputed
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = Executor(layers, ops)(tokens)
+    out.float().sum().backward()
+    got = [p.grad.clone() for m in layers for p in m.parameters()]  # type: ignore[union-attr]
+    for m in layers:
+        m.zero_grad()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        ref = nn.Sequential(*layers)(tokens)
+    ref.float().sum().backward()
+    assert out.dtype == ref.dtype == torch.bfloat16
+    for g, m in zip(got, [p for m in layers for p in m.parameters()]):
+        assert torch.equal(g, m.grad)  # type: ignore[arg-type]
+
+
+@contextmanager
+def op_recorder(
+    record: Callable[[Op, executor_module._Run], None],
+) -> Iterator[None]:
+    run_cls = executor_module._Run
+    forward_op, backward_op = run_cls.forward_op, run_cls.backward_op
+
+    def fwd(self: executor_module._Run, kind: str, k: int) -> None:
+        forward_op(self, kind, k)
+        record((kind, k), self)
+
+    def bwd(self: executor_module._Run, k: int) -> None:
+        backward_op(self, k)
+        record(("B", k), self)
+
+    run_cls.forward_op, run_cls.backward_op = fwd, bwd  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        run_cls.forward_op, run_cls.backward_op = forward_op, backward_op  # type: ignore[method-assign]
+
+
+def test_live_memory_matches_the_simulator_op_by_op() -> None:
+    torch.manual_seed(0)
+    layers: list[nn.Module] = []
+    for _ in range(3):
+        layers += [nn.Linear(64, 64), nn.Dropout(0.2), nn.Tanh()]
+    x = torch.randn(32, 64, requires_grad=True)
+    weights = torch.randn(32, 64)
+    chain: Chain = measure(layers, x, repeats=1).to_chain()
+    least, top = min_memory(chain), store_all_memory(chain)
+    for limit in (least, (least + top) // 2, top):
+        ops = solve(chain, limit).ops
+        tracker = StorageTracker()
+        sim = Simulator(chain)
+        mismatches: list[tuple[Op, int, int]] = []
+
+        def record(op: Op, run: executor_module._Run) -> None:
+            if op[0] == "B" and not sim.loss_done:
+                sim.step(("Loss",))
+            sim.step(op)
+            param_grads = sum(g.untyped_storage().nbytes() for g in run.param_grads if g is not None)
+            # the loss below allocates its scalar and that scalar's gradient: 8 bytes
+            slack = 8 if sim.loss_done else 0
+            live = x.nbytes + tracker.live_nbytes - param_grads - slack
+            if live != sim.alive_nbytes:
+                mismatches.append((op, live, sim.alive_nbytes))
+
+        with op_recorder(record), tracker:
+            (Executor(layers, ops)(x) * weights).sum().backward()
+        tracker.close()
+        assert not mismatches, (limit, mismatches)
+        assert sim.peak <= limit
+        for m in layers:
+            m.zero_grad()
+        x.grad = None
