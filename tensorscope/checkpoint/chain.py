@@ -8,7 +8,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Union
+from typing import TypeAlias
 
 from tensorscope.errors import ArgumentTypeError, InvalidArgumentError
 
@@ -16,7 +16,7 @@ __all__ = ["Chain", "Op", "Schedule", "format_ops"]
 
 #: One step of a schedule: ``("Fn", k)``, ``("Fck", k)``, ``("Fe", k)``, ``("B", k)`` or
 #: ``("Loss",)``. See API.md §5 and ``docs/checkpoint.md`` for what each one does to memory.
-Op = Union[tuple[str, int], tuple[str]]
+Op: TypeAlias = tuple[str, int] | tuple[str]
 
 FORWARD_KINDS = ("Fn", "Fck", "Fe")
 
@@ -28,8 +28,7 @@ def _times(name: str, values: Sequence[float], length: int) -> tuple[float, ...]
         raise ArgumentTypeError(f"{_PREFIX} Chain.{name} must be a sequence of numbers")
     if len(values) != length:
         raise InvalidArgumentError(
-            f"{_PREFIX} Chain.{name} has {len(values)} entries, expected {length} "
-            f"(one per layer)"
+            f"{_PREFIX} Chain.{name} has {len(values)} entries, expected {length} (one per layer)"
         )
     out: list[float] = []
     for k, v in enumerate(values):

@@ -141,7 +141,7 @@ class _Run:
             del out, d
             if inp.requires_grad:
                 self.grad, grads = grads[0], grads[1:]
-            for i, g in zip(owned, grads):
+            for i, g in zip(owned, grads, strict=True):
                 if g is not None:
                     acc = self.param_grads[i]
                     self.param_grads[i] = g if acc is None else acc + g
@@ -234,5 +234,5 @@ class Executor:
                 if p.requires_grad and id(p) not in seen:
                     seen.add(id(p))
                     params.append(p)
-        out: torch.Tensor = _ScheduleFunction.apply(self.plan, x, *params)
+        out: torch.Tensor = _ScheduleFunction.apply(self.plan, x, *params)  # type: ignore[no-untyped-call]
         return out

@@ -36,7 +36,7 @@ def layer_roles(schedule: Schedule, n_layers: int) -> list[tuple[str, int]]:
             k = op[1]  # type: ignore[misc]
             runs[k] += 1
             first[k] = first[k] or op[0]
-    return list(zip(first, runs))
+    return list(zip(first, runs, strict=True))
 
 
 def _ms(seconds: float) -> str:
@@ -48,9 +48,9 @@ def explain(module: Checkpointable) -> str:
     n = len(module.stages)
     head = f"Checkpointable: {n} layer{'s' if n != 1 else ''}"
     if module.profile is None or module.schedule is None:
-        limit = "default" if module.mem_limit is None else format_bytes(module.mem_limit)
+        given = "default" if module.mem_limit is None else format_bytes(module.mem_limit)
         return (
-            f"{head}, mem_limit {limit}; not measured yet: call measure(sample_input) or run "
+            f"{head}, mem_limit {given}; not measured yet: call measure(sample_input) or run "
             f"one training step"
         )
     chain = module.chain()

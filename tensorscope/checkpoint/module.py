@@ -15,7 +15,7 @@ from tensorscope.checkpoint.profile import InPlaceLayerError, Profile, flatten, 
 from tensorscope.checkpoint.solver import min_memory, solve, store_all_memory
 from tensorscope.errors import InvalidArgumentError, ScheduleError
 
-__all__ = ["Checkpointable", "RNG_STATE_NBYTES"]
+__all__ = ["RNG_STATE_NBYTES", "Checkpointable"]
 
 #: Bytes of one saved CPU random-number state (``torch.get_rng_state()``); the executor keeps
 #: one per recomputed layer, so on CPU that much is reserved inside the limit for each layer.

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import statistics
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -19,7 +19,7 @@ from tensorscope.checkpoint.chain import Chain
 from tensorscope.checkpoint.tracker import StorageTracker
 from tensorscope.errors import ArgumentTypeError, InvalidArgumentError
 
-__all__ = ["LayerProfile", "Profile", "flatten", "measure", "InPlaceLayerError"]
+__all__ = ["InPlaceLayerError", "LayerProfile", "Profile", "flatten", "measure"]
 
 # NOTE [what is measured]
 # For each layer k, fed the previous layer's output (computed without autograd):
@@ -271,7 +271,9 @@ def _no_trace(modules: Sequence[nn.Module], device: torch.device) -> Iterator[No
             torch.cuda.set_rng_state(cuda_rng, device)
 
 
-def measure(layers: Sequence[nn.Module], sample_input: torch.Tensor, *, repeats: int = 3) -> Profile:
+def measure(
+    layers: Sequence[nn.Module], sample_input: torch.Tensor, *, repeats: int = 3
+) -> Profile:
     """Measure each layer of a chain on ``sample_input``, in training mode.
 
     Args:
@@ -315,6 +317,6 @@ def measure(layers: Sequence[nn.Module], sample_input: torch.Tensor, *, repeats:
                 x = layer(x)
     profiles = tuple(
         LayerProfile(type(layer).__name__, t[0], t[1], *vars(s).values())
-        for layer, s, t in zip(layers, sizes, times)
+        for layer, s, t in zip(layers, sizes, times, strict=True)
     )
     return Profile(_storage_nbytes(sample_input), profiles, str(device))

@@ -123,7 +123,7 @@ class Simulator:
             return self.alive_nbytes + c.x_sizes[n] + c.loss_tmp
         if kind not in ("Fn", "Fck", "Fe", "B") or len(op) != 2:
             raise self._fail(op, "is not one of ('Fn', k) ('Fck', k) ('Fe', k) ('Loss',) ('B', k)")
-        k = op[1]  # type: ignore[misc]
+        k = op[1]
         if isinstance(k, bool) or not isinstance(k, int) or not 0 <= k < n:
             raise self._fail(op, f"names layer {k!r}; layers are 0..{n - 1}")
         if not self.available(k):

@@ -13,7 +13,7 @@ from tensorscope.checkpoint.chain import Chain, Op, Schedule
 from tensorscope.checkpoint.simulate import simulate
 from tensorscope.errors import InvalidArgumentError, ScheduleError
 
-__all__ = ["solve", "min_memory", "store_all_memory", "store_all_ops", "MAX_TABLE_WORK"]
+__all__ = ["MAX_TABLE_WORK", "min_memory", "solve", "store_all_memory", "store_all_ops"]
 
 INF = math.inf
 
@@ -208,9 +208,9 @@ class _Table:
         while stack:
             task = stack.pop()
             if len(task) != 3:
-                out.append(task)  # type: ignore[arg-type]
+                out.append(task)
                 continue
-            i, l_, mem = task  # type: ignore[misc]
+            i, l_, mem = task
             if i == n:
                 out.append(("Loss",))
             elif i == l_ or mem >= self.hi[i][l_]:
@@ -265,7 +265,7 @@ def store_all_memory(chain: Chain) -> int:
 
 
 def _min_memory_ops(chain: Chain) -> list[Op]:
-    """A schedule reaching :func:`min_memory` (the fallback when rounding to slots is too coarse)."""
+    """A schedule reaching :func:`min_memory` (fallback when rounding to slots is too coarse)."""
     t = _Terms(chain)
     lo, _ = t.bounds()
     n, x = t.n, t.x
@@ -274,9 +274,9 @@ def _min_memory_ops(chain: Chain) -> list[Op]:
     while stack:
         task = stack.pop()
         if isinstance(task[0], str):
-            out.append(task)  # type: ignore[arg-type]
+            out.append(task)
             continue
-        i, l_ = task  # type: ignore[misc]
+        i, l_ = task
         if i == n:
             out.append(("Loss",))
             continue

@@ -51,7 +51,7 @@ class StorageTracker(TorchDispatchMode):
         return False  # skip dynamo's wrapping of __torch_dispatch__ (import time, per-op cost)
 
     def __init__(self) -> None:
-        super().__init__()
+        super().__init__()  # type: ignore[no-untyped-call]
         self.live_nbytes = 0
         self.peak_nbytes = 0
         self._alive: dict[int, tuple[int, int]] = {}  # storage address -> (serial, nbytes)

@@ -34,7 +34,9 @@ def _search(
     """Least accumulated cost of a complete schedule; ``cost(acc, op_peak, op)``."""
     ops = all_ops(chain.length)
     tie = itertools.count()
-    heap: list[tuple[float, int, Simulator]] = [(initial, 0, Simulator(chain, persistent=persistent))]
+    heap: list[tuple[float, int, Simulator]] = [
+        (initial, 0, Simulator(chain, persistent=persistent))
+    ]
     done: set[frozenset[tuple[str, int]]] = set()
     while heap:
         acc, _, sim = heapq.heappop(heap)

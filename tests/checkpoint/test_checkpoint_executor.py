@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import copy
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
@@ -59,11 +58,11 @@ def test_same_outputs_gradients_and_statistics_as_plain(input_grad: bool) -> Non
         x_ck = x.clone().requires_grad_(input_grad)
         out, grads = step(layers, ops, x_ck)
         assert torch.equal(out, out_ref)  # dropout masks replayed
-        assert all(torch.equal(a, b) for a, b in zip(grads, grads_ref))  # type: ignore[arg-type]
+        assert all(torch.equal(a, b) for a, b in zip(grads, grads_ref, strict=True))  # type: ignore[arg-type]
         if input_grad:
             assert torch.equal(x_ck.grad, x_ref.grad)  # type: ignore[arg-type]
-        for m, m_ref in zip(layers, plain):
-            for b, b_ref in zip(m.buffers(), m_ref.buffers()):
+        for m, m_ref in zip(layers, plain, strict=True):
+            for b, b_ref in zip(m.buffers(), m_ref.buffers(), strict=True):
                 assert torch.equal(b, b_ref)  # running stats updated once, not per recompute
         assert int(layers[1].num_batches_tracked) == 1  # type: ignore[arg-type]
 
@@ -87,8 +86,10 @@ def test_autograd_grad_and_shared_parameters() -> None:
     ops = solve(chain, min_memory(chain)).ops
     loss = Executor(layers, ops)(x).pow(2).sum()
     grads = torch.autograd.grad(loss, list(shared.parameters()))
-    expected = torch.autograd.grad(nn.Sequential(*layers)(x).pow(2).sum(), list(shared.parameters()))
-    for g, e in zip(grads, expected):
+    expected = torch.autograd.grad(
+        nn.Sequential(*layers)(x).pow(2).sum(), list(shared.parameters())
+    )
+    for g, e in zip(grads, expected, strict=True):
         torch.testing.assert_close(g, e)
     with pytest.raises(RuntimeError, match="ran twice"):
         out = Executor(layers, ops)(x).sum()
@@ -113,8 +114,9 @@ def test_integer_input_and_autocast() -> None:
         ref = nn.Sequential(*layers)(tokens)
     ref.float().sum().backward()
     assert out.dtype == ref.dtype == torch.bfloat16
-    for g, m in zip(got, [p for m in layers for p in m.parameters()]):
-        assert torch.equal(g, m.grad)  # type: ignore[arg-type]
+    params = [p for m in layers for p in m.parameters()]
+    for g, p in zip(got, params, strict=True):
+        assert torch.equal(g, p.grad)  # type: ignore[arg-type]
 
 
 @contextmanager
@@ -139,37 +141,44 @@ def op_recorder(
         run_cls.forward_op, run_cls.backward_op = forward_op, backward_op  # type: ignore[method-assign]
 
 
+def live_mismatches(
+    layers: list[nn.Module], x: torch.Tensor, chain: Chain, ops: tuple[Op, ...]
+) -> tuple[list[tuple[Op, int, int]], int]:
+    """Run ``ops``; after each op compare the tracked live bytes with the simulator's."""
+    tracker = StorageTracker()
+    sim = Simulator(chain)
+    mismatches: list[tuple[Op, int, int]] = []
+
+    def record(op: Op, run: executor_module._Run) -> None:
+        if op[0] == "B" and not sim.loss_done:
+            sim.step(("Loss",))
+        sim.step(op)
+        param_grads = sum(g.untyped_storage().nbytes() for g in run.param_grads if g is not None)
+        # the loss below allocates its scalar and that scalar's gradient: 8 bytes
+        slack = 8 if sim.loss_done else 0
+        live = x.nbytes + tracker.live_nbytes - param_grads - slack
+        if live != sim.alive_nbytes:
+            mismatches.append((op, live, sim.alive_nbytes))
+
+    weights = torch.randn(x.shape)
+    with op_recorder(record), tracker:
+        (Executor(layers, ops)(x) * weights).sum().backward()
+    tracker.close()
+    return mismatches, sim.peak
+
+
 def test_live_memory_matches_the_simulator_op_by_op() -> None:
     torch.manual_seed(0)
     layers: list[nn.Module] = []
     for _ in range(3):
         layers += [nn.Linear(64, 64), nn.Dropout(0.2), nn.Tanh()]
     x = torch.randn(32, 64, requires_grad=True)
-    weights = torch.randn(32, 64)
-    chain: Chain = measure(layers, x, repeats=1).to_chain()
+    chain = measure(layers, x, repeats=1).to_chain()
     least, top = min_memory(chain), store_all_memory(chain)
     for limit in (least, (least + top) // 2, top):
-        ops = solve(chain, limit).ops
-        tracker = StorageTracker()
-        sim = Simulator(chain)
-        mismatches: list[tuple[Op, int, int]] = []
-
-        def record(op: Op, run: executor_module._Run) -> None:
-            if op[0] == "B" and not sim.loss_done:
-                sim.step(("Loss",))
-            sim.step(op)
-            param_grads = sum(g.untyped_storage().nbytes() for g in run.param_grads if g is not None)
-            # the loss below allocates its scalar and that scalar's gradient: 8 bytes
-            slack = 8 if sim.loss_done else 0
-            live = x.nbytes + tracker.live_nbytes - param_grads - slack
-            if live != sim.alive_nbytes:
-                mismatches.append((op, live, sim.alive_nbytes))
-
-        with op_recorder(record), tracker:
-            (Executor(layers, ops)(x) * weights).sum().backward()
-        tracker.close()
+        mismatches, peak = live_mismatches(layers, x, chain, solve(chain, limit).ops)
         assert not mismatches, (limit, mismatches)
-        assert sim.peak <= limit
+        assert peak <= limit
         for m in layers:
             m.zero_grad()
         x.grad = None

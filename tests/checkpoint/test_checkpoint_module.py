@@ -34,7 +34,7 @@ def bounds(model: Checkpointable) -> tuple[int, int]:
 
 
 def test_bad_arguments() -> None:
-    with pytest.raises(ArgumentTypeError, match="nn.Sequential"):
+    with pytest.raises(ArgumentTypeError, match=r"nn\.Sequential"):
         Checkpointable(nn.Linear(2, 2))  # type: ignore[arg-type]
     with pytest.raises(InvalidArgumentError, match="cannot parse mem_limit"):
         Checkpointable(make_net(), mem_limit="12 parsecs")
@@ -76,9 +76,9 @@ def test_training_equals_plain_training() -> None:
             optim.zero_grad()
             net(batch).pow(2).mean().backward()
             optim.step()
-    for p, q in zip(plain.parameters(), model.parameters()):
+    for p, q in zip(plain.parameters(), model.parameters(), strict=True):
         assert torch.equal(p, q)
-    for b, c in zip(plain.buffers(), model.buffers()):
+    for b, c in zip(plain.buffers(), model.buffers(), strict=True):
         assert torch.equal(b, c)
     assert list(model.state_dict()) == [f"model.{k}" for k in plain.state_dict()]
 
@@ -161,7 +161,7 @@ def test_nested_sequentials_and_in_place_layers() -> None:
     model.compute_sequence(bounds(model)[0])
     model(x).sum().backward()
     plain(x).sum().backward()
-    for p, q in zip(plain.parameters(), model.parameters()):
+    for p, q in zip(plain.parameters(), model.parameters(), strict=True):
         assert torch.equal(p.grad, q.grad)  # type: ignore[arg-type]
     with pytest.raises(InvalidArgumentError, match="in place"):
         Checkpointable(nn.Sequential(nn.ReLU(inplace=True), nn.Linear(8, 8))).measure(x)

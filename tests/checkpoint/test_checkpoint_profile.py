@@ -70,7 +70,14 @@ def test_tracker_sees_storages_only_autograd_keeps() -> None:
 
 
 def test_measure_sizes() -> None:
-    layers = [nn.Linear(8, 8), nn.ReLU(), nn.Dropout(0.5), SiLUBlock(), Temporaries(), nn.Flatten(0)]
+    layers = [
+        nn.Linear(8, 8),
+        nn.ReLU(),
+        nn.Dropout(0.5),
+        SiLUBlock(),
+        Temporaries(),
+        nn.Flatten(0),
+    ]
     prof = measure(layers, torch.randn(4, 8), repeats=1)
     size = 4 * 8 * 4
     assert prof.input_nbytes == size
@@ -119,5 +126,5 @@ def test_flatten() -> None:
     inner = nn.Sequential(nn.ReLU(), nn.Sequential(nn.Tanh()))
     seq = nn.Sequential(nn.Linear(2, 2), inner, nn.Linear(2, 2))
     assert [type(m).__name__ for m in flatten(seq)] == ["Linear", "ReLU", "Tanh", "Linear"]
-    with pytest.raises(ArgumentTypeError, match="needs an nn.Sequential"):
+    with pytest.raises(ArgumentTypeError, match=r"needs an nn\.Sequential"):
         flatten(nn.Linear(2, 2))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import math
 import random
 import subprocess
@@ -98,7 +99,7 @@ def test_every_schedule_simulates_to_its_time_within_the_limit(chain: Chain, lim
 def test_time_never_increases_with_the_limit(chain: Chain) -> None:
     top = store_all_memory(chain)
     times = [solve(chain, m).time for m in range(max(1, min_memory(chain)), max(2, top + 1))]
-    assert all(a >= b for a, b in zip(times, times[1:]))
+    assert all(a >= b for a, b in itertools.pairwise(times))
     assert times[-1] == sum(chain.fw) + sum(chain.bw)
 
 
