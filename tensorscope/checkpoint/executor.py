@@ -8,7 +8,7 @@ the ops after ``Loss`` (recomputations and layer backwards).
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Collection, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -28,7 +28,7 @@ __all__ = ["Executor"]
 # * Fe(k) detaches its input into a fresh leaf, so B(k) stops at layer k. The chain output is
 #   returned detached: the Function's node, not the inner graph, is its grad_fn.
 # * Random state: the first run of a layer that the schedule runs again saves the CPU (and
-#   CUDA) RNG state; each re-run restores it and then puts the surrounding state back, so
+#   CUDA) RNG state (only for `rng_layers`: the profiler tells which layers draw numbers); each re-run restores it and then puts the surrounding state back, so
 #   dropout draws the same mask and the global RNG stream is the plain model's. The first runs
 #   happen in order during the forward (before Loss every layer runs exactly once), so masks
 #   are the plain model's too.
@@ -42,7 +42,9 @@ __all__ = ["Executor"]
 class _Plan:
     """What does not change between calls: the layers, the ops, who is recomputed."""
 
-    def __init__(self, layers: Sequence[nn.Module], ops: Sequence[Op], preserve_rng: bool) -> None:
+    def __init__(
+        self, layers: Sequence[nn.Module], ops: Sequence[Op], rng_layers: Collection[int]
+    ) -> None:
         self.layers = list(layers)
         split = list(ops).index(("Loss",))
         self.forward_ops = list(ops[:split])
@@ -52,7 +54,7 @@ class _Plan:
             if op[0] in FORWARD_KINDS:
                 runs[op[1]] += 1  # type: ignore[misc]
         self.rerun = {k for k, n in enumerate(runs) if n > 1}
-        self.preserve_rng = preserve_rng
+        self.replay_rng = self.rerun.intersection(rng_layers)
         self.batchnorms = [
             [m for m in layer.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
             for layer in self.layers
@@ -91,7 +93,7 @@ class _Run:
         first = k not in self.ran
         self.ran.add(k)
         if first:
-            if plan.preserve_rng and k in plan.rerun:
+            if k in plan.replay_rng:
                 cuda = torch.cuda.get_rng_state(self.device) if self.device.type == "cuda" else None
                 self.rng[k] = (torch.get_rng_state(), cuda)
             yield
@@ -222,9 +224,18 @@ class Executor:
     """
 
     def __init__(
-        self, layers: Sequence[nn.Module], ops: Sequence[Op], *, preserve_rng_state: bool = True
+        self,
+        layers: Sequence[nn.Module],
+        ops: Sequence[Op],
+        *,
+        preserve_rng_state: bool = True,
+        rng_layers: Collection[int] | None = None,
     ) -> None:
-        self.plan = _Plan(layers, ops, preserve_rng_state)
+        if not preserve_rng_state:
+            rng_layers = ()
+        elif rng_layers is None:
+            rng_layers = range(len(layers))
+        self.plan = _Plan(layers, ops, rng_layers)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         seen: set[int] = set()

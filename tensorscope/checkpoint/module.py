@@ -18,7 +18,8 @@ from tensorscope.errors import InvalidArgumentError, ScheduleError
 __all__ = ["RNG_STATE_NBYTES", "Checkpointable"]
 
 #: Bytes of one saved CPU random-number state (``torch.get_rng_state()``); the executor keeps
-#: one per recomputed layer, so on CPU that much is reserved inside the limit for each layer.
+#: one per recomputed layer that draws random numbers, so on CPU that much is reserved inside
+#: the limit for each layer that does (dropout...).
 RNG_STATE_NBYTES = 5056
 
 _SUB = "tensorscope.checkpoint"
@@ -201,7 +202,10 @@ class Checkpointable(nn.Module):
         chain = self.chain()
         limit = self.mem_limit if self.mem_limit is not None else self._default_limit()
         on_cpu = self._measured is not None and self._measured[0].type == "cpu"
-        reserve = RNG_STATE_NBYTES * chain.length if self.preserve_rng_state and on_cpu else 0
+        layers = self.profile.layers if self.profile is not None else ()
+        rng_layers = [k for k, p in enumerate(layers) if p.uses_rng]
+        keep_rng = self.preserve_rng_state and on_cpu
+        reserve = RNG_STATE_NBYTES * len(rng_layers) if keep_rng else 0
         self.reserved_nbytes = reserve
         top = store_all_memory(chain)
         if limit is None or limit - reserve >= top:
@@ -211,7 +215,12 @@ class Checkpointable(nn.Module):
             if limit < least:
                 raise self._too_small(limit, least, top + reserve)
             schedule = solve(chain, limit - reserve, slots=self.slots)
-        executor = Executor(self.stages, schedule.ops, preserve_rng_state=self.preserve_rng_state)
+        executor = Executor(
+            self.stages,
+            schedule.ops,
+            preserve_rng_state=self.preserve_rng_state,
+            rng_layers=rng_layers,
+        )
         self.schedule, self.solved_limit = schedule, limit
         self._executor = executor
         return executor

@@ -32,6 +32,8 @@ __all__ = ["InPlaceLayerError", "LayerProfile", "Profile", "flatten", "measure"]
 #   bw_tmp[k]      peak of torch.autograd.grad(output, [input, *params], d) above everything
 #                  it starts with plus the input gradient, not counting the parameter
 #                  gradients (mem_limit excludes parameters and their gradients).
+#   uses_rng       whether the forward changed the CPU (or CUDA) random state: only such
+#                  layers need their state saved and replayed when recomputed.
 #   fw[k], bw[k]   median seconds of the forward with autograd and of that backward, over
 #                  ``repeats`` untracked runs after the tracked one (CUDA: synchronized).
 # Memory comes from StorageTracker on CPU (NOTE [storage accounting on CPU]) and from
@@ -58,6 +60,7 @@ class LayerProfile:
     xbar_nbytes: int
     fw_tmp_nbytes: int
     bw_tmp_nbytes: int
+    uses_rng: bool = False
 
 
 @dataclass(frozen=True)
@@ -178,13 +181,23 @@ class _Sizes:
     xbar_nbytes: int
     fw_tmp_nbytes: int
     bw_tmp_nbytes: int
+    uses_rng: bool
+
+
+def _rng_state(device: torch.device) -> list[torch.Tensor]:
+    states = [torch.get_rng_state()]
+    if device.type == "cuda":
+        states.append(torch.cuda.get_rng_state(device))
+    return states
 
 
 def _measure_memory(k: int, layer: nn.Module, x: torch.Tensor, meter: _Meter) -> _Sizes:
     version = x._version
+    rng_before = _rng_state(x.device)
     base = meter.mark()
     with torch.no_grad():
         y = _check_output(layer(x), k, layer)
+    uses_rng = not all(map(torch.equal, rng_before, _rng_state(x.device)))
     if x._version != version:
         raise InPlaceLayerError(
             f"tensorscope.checkpoint: layer {k} ({type(layer).__name__}) modifies its input in "
@@ -212,7 +225,7 @@ def _measure_memory(k: int, layer: nn.Module, x: torch.Tensor, meter: _Meter) ->
         param_grads = [g for g in grads[1 if grad_input else 0 :] if g is not None]
         input_grad = x.nbytes if grad_input else 0
         bw_tmp = max(0, meter.peak(param_grads) - base - input_grad)
-    return _Sizes(x_nbytes, xbar_nbytes, fw_tmp, bw_tmp)
+    return _Sizes(x_nbytes, xbar_nbytes, fw_tmp, bw_tmp, uses_rng)
 
 
 def _differentiable(x: torch.Tensor) -> bool:

@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from tensorscope.checkpoint import Checkpointable, min_memory, store_all_memory
+from tensorscope.checkpoint.module import RNG_STATE_NBYTES
 from tensorscope.checkpoint.tracker import StorageTracker
 from tensorscope.errors import ArgumentTypeError, InvalidArgumentError, ScheduleError
 
@@ -113,6 +114,7 @@ def test_measured_peak_stays_under_the_limit(fraction: float) -> None:
     assert peak <= schedule.peak <= limit - model.reserved_nbytes
     plain_peak = store_all_memory(model.chain())
     assert peak < plain_peak
+    assert model.reserved_nbytes == RNG_STATE_NBYTES * 4  # one state per Dropout layer
 
 
 def test_explain_and_compute_sequence() -> None:

@@ -90,6 +90,7 @@ def test_measure_sizes() -> None:
     assert got["Temporaries"] == (size, size, size)
     assert got["Flatten"] == (size, size, 0)  # a view: counted at its storage's size
     assert all(p.fw_s >= 0 and p.bw_s >= 0 for p in prof.layers)
+    assert [p.uses_rng for p in prof.layers] == [False, False, True, False, False, False]
     chain = prof.to_chain(loss_tmp=5)
     assert chain.x_sizes[0] == size and chain.loss_tmp == 5 and chain.length == 6
 
