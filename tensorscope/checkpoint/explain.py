@@ -80,8 +80,8 @@ def explain(module: Checkpointable) -> str:
     ]
     if module.reserved_nbytes:
         lines.append(
-            f"reserved inside the limit: {format_bytes(module.reserved_nbytes)} of saved "
-            f"random states (one per layer)"
+            f"reserved inside the limit: {format_bytes(module.reserved_nbytes)} (the scalar "
+            f"loss and its gradient; saved random states of layers that draw random numbers)"
         )
     lines.append(f"{'layer':>5}  {'module':<18} {'output':>10} {'w/ autograd':>11}  first forward")
     for k, (kind, runs) in enumerate(layer_roles(sched, n)):

@@ -15,12 +15,16 @@ from tensorscope.checkpoint.profile import InPlaceLayerError, Profile, flatten, 
 from tensorscope.checkpoint.solver import min_memory, solve, store_all_memory
 from tensorscope.errors import InvalidArgumentError, ScheduleError
 
-__all__ = ["RNG_STATE_NBYTES", "Checkpointable"]
+__all__ = ["LOSS_SCALAR_NBYTES", "RNG_STATE_NBYTES", "Checkpointable"]
 
 #: Bytes of one saved CPU random-number state (``torch.get_rng_state()``); the executor keeps
 #: one per recomputed layer that draws random numbers, so on CPU that much is reserved inside
 #: the limit for each layer that does (dropout...).
 RNG_STATE_NBYTES = 5056
+
+#: Reserved for the scalar loss and autograd's seed gradient (``ones_like(loss)``): both stay
+#: alive during the whole backward, while the schedule's own backward runs.
+LOSS_SCALAR_NBYTES = 64
 
 _SUB = "tensorscope.checkpoint"
 
@@ -205,7 +209,7 @@ class Checkpointable(nn.Module):
         layers = self.profile.layers if self.profile is not None else ()
         rng_layers = [k for k, p in enumerate(layers) if p.uses_rng]
         keep_rng = self.preserve_rng_state and on_cpu
-        reserve = RNG_STATE_NBYTES * len(rng_layers) if keep_rng else 0
+        reserve = LOSS_SCALAR_NBYTES + (RNG_STATE_NBYTES * len(rng_layers) if keep_rng else 0)
         self.reserved_nbytes = reserve
         top = store_all_memory(chain)
         if limit is None or limit - reserve >= top:
