@@ -83,6 +83,11 @@ class Chain:
             reads and the input gradient it produces.
         loss_tmp: transient peak of the loss (forward and backward) on top of the chain output
             and its gradient.
+        keeps_output: keyword-only, ``L`` flags: whether layer ``k``'s autograd state holds its
+            own output (``ReLU``, ``Tanh`` save their result; ``Linear``, ``GELU`` do not). When
+            it does not, the output part of ``xbar[k + 1]`` is freed once the next layer's
+            backward (or the loss) no longer needs it, not at ``B(k)``. Default: all ``True``,
+            rotor's (conservative) model.
 
     Example:
         >>> chain = Chain([1, 1], [2, 2], [4, 4, 4], [0, 8, 8], [0, 0], [0, 0])
@@ -97,6 +102,7 @@ class Chain:
     fw_tmp: tuple[int, ...]
     bw_tmp: tuple[int, ...]
     loss_tmp: int
+    keeps_output: tuple[bool, ...]
 
     def __init__(
         self,
@@ -107,6 +113,8 @@ class Chain:
         fw_tmp: Sequence[int],
         bw_tmp: Sequence[int],
         loss_tmp: int = 0,
+        *,
+        keeps_output: Sequence[bool] | None = None,
     ) -> None:
         if isinstance(fw, (str, bytes)) or not isinstance(fw, Sequence):
             raise ArgumentTypeError(f"{_PREFIX} Chain.fw must be a sequence of numbers")
@@ -122,6 +130,13 @@ class Chain:
         set_(self, "fw_tmp", _sizes("fw_tmp", fw_tmp, n, "one per layer"))
         set_(self, "bw_tmp", _sizes("bw_tmp", bw_tmp, n, "one per layer"))
         set_(self, "loss_tmp", _sizes("loss_tmp", [loss_tmp], 1, "a single int")[0])
+        keeps = [True] * n if keeps_output is None else list(keeps_output)
+        if len(keeps) != n or not all(isinstance(v, bool) for v in keeps):
+            raise InvalidArgumentError(
+                f"{_PREFIX} Chain.keeps_output must be {n} bools (one per layer); "
+                f"got {keeps_output!r}"
+            )
+        set_(self, "keeps_output", tuple(keeps))
         for k in range(1, n + 1):
             if xbar[k] < self.x_sizes[k]:
                 raise InvalidArgumentError(
@@ -157,6 +172,7 @@ class Chain:
             up(self.fw_tmp),
             up(self.bw_tmp),
             up((self.loss_tmp,))[0],
+            keeps_output=self.keeps_output,
         )
 
 

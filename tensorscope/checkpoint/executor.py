@@ -9,11 +9,12 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Collection, Iterator, Sequence
-from typing import Any
+from typing import Any, TypeAlias
 
 import torch
 from torch import nn
 from torch.autograd.function import once_differentiable
+from torch.autograd.graph import GradientEdge, get_gradient_edge
 
 from tensorscope.checkpoint.chain import FORWARD_KINDS, Op
 
@@ -25,11 +26,14 @@ __all__ = ["Executor"]
 #   torch.autograd.grad(loss, params) works (the reentrant torch.utils.checkpoint's pitfalls).
 #   Each B(k) is one torch.autograd.grad(y_k, [x_k, *params_k], d_{k+1}) on the small graph
 #   Fe(k) built: the input gradient flows on, parameter gradients are summed per parameter.
-# * Fe(k) detaches its input into a fresh leaf, so B(k) stops at layer k. The chain output is
+# * Fe(k) detaches its input into a fresh leaf, so B(k) stops at layer k, and keeps the output's
+#   GradientEdge rather than the output: B(k) differentiates the edge, so the output tensor can
+#   die as soon as nobody reads it (NOTE [memory model] in simulate.py). The chain output is
 #   returned detached: the Function's node, not the inner graph, is its grad_fn.
 # * Random state: the first run of a layer that the schedule runs again saves the CPU (and
-#   CUDA) RNG state (only for `rng_layers`: the profiler tells which layers draw numbers); each re-run restores it and then puts the surrounding state back, so
-#   dropout draws the same mask and the global RNG stream is the plain model's. The first runs
+#   CUDA) RNG state (only for `rng_layers`: the profiler tells which layers draw numbers);
+#   each re-run restores it and then puts the surrounding state back, so dropout draws the
+#   same mask and the global RNG stream is the plain model's. The first runs
 #   happen in order during the forward (before Loss every layer runs exactly once), so masks
 #   are the plain model's too.
 # * BatchNorm: a re-run must not update running statistics a second time. In training mode
@@ -66,8 +70,11 @@ class _Run:
 
     def __init__(self, plan: _Plan, x: torch.Tensor, params: Sequence[torch.Tensor]) -> None:
         self.plan = plan
-        self.plain: dict[int, torch.Tensor] = {0: x}
-        self.graph: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.plain: dict[int, torch.Tensor] = {0: x}  # x_k from Fn/Fck, and the input
+        self.outs: dict[int, torch.Tensor] = {}  # x_k as the output of Fe(k-1)
+        self.graph: dict[int, tuple[torch.Tensor, _Root]] = {}  # k+1: (input leaf, output root)
+        self.backward_done: set[int] = set()
+        self.loss_done = False
         self.rng: dict[int, tuple[torch.Tensor, torch.Tensor | None]] = {}
         self.ran: set[int] = set()
         self.x_requires_grad = x.requires_grad
@@ -85,7 +92,13 @@ class _Run:
     def _input(self, k: int) -> torch.Tensor:
         if k in self.plain:
             return self.plain[k]
-        return self.graph[k][1]
+        return self.outs[k]
+
+    def _drop_x(self, k: int) -> None:
+        """Drop our references to x_k (autograd keeps what it saved; NOTE [memory model])."""
+        if k > 0:
+            self.plain.pop(k, None)
+            self.outs.pop(k, None)
 
     @contextlib.contextmanager
     def _rerun_guard(self, k: int) -> Iterator[None]:
@@ -126,7 +139,11 @@ class _Run:
                 if k > 0 or self.x_requires_grad:
                     inp.requires_grad_(inp.is_floating_point() or inp.is_complex())
                 with torch.enable_grad():
-                    self.graph[k + 1] = (inp, layer(inp))
+                    out = layer(inp)
+                self.graph[k + 1] = (inp, _root(out))
+                last = k + 1 == len(self.plan.layers)
+                if not (self.loss_done if last else k + 1 in self.backward_done):
+                    self.outs[k + 1] = out  # someone will read x_{k+1}
             else:
                 with torch.no_grad():
                     self.plain[k + 1] = layer(src)
@@ -134,28 +151,30 @@ class _Run:
                     self.plain.pop(k, None)
 
     def backward_op(self, k: int) -> None:
-        inp, out = self.graph.pop(k + 1)
+        inp, root = self.graph.pop(k + 1)
         owned = self.layer_params[k]
         targets = ([inp] if inp.requires_grad else []) + [self.params[i] for i in owned]
         d, self.grad = self.grad, None
-        if d is not None and out.requires_grad and targets:
-            grads = torch.autograd.grad(out, targets, d, allow_unused=True)
-            del out, d
+        if d is not None and root is not None and targets:
+            grads = torch.autograd.grad(root, targets, d, allow_unused=True)
+            del root, d
             if inp.requires_grad:
                 self.grad, grads = grads[0], grads[1:]
             for i, g in zip(owned, grads, strict=True):
                 if g is not None:
                     acc = self.param_grads[i]
                     self.param_grads[i] = g if acc is None else acc + g
-        if k > 0:
-            self.plain.pop(k, None)
+        self.backward_done.add(k)
+        self._drop_x(k)
 
     def forward_phase(self) -> torch.Tensor:
         for op in self.plan.forward_ops:
             self.forward_op(op[0], op[1])  # type: ignore[misc]
         n = len(self.plan.layers)
-        out = self.plain.pop(n) if n in self.plain else self.graph[n][1]
-        return out.detach()
+        out = self._input(n).detach()
+        self._drop_x(n)  # the loss consumes it
+        self.loss_done = True
+        return out
 
     def backward_phase(self, grad_out: torch.Tensor) -> None:
         self.grad = grad_out
@@ -165,6 +184,17 @@ class _Run:
                     self.backward_op(op[1])  # type: ignore[misc]
                 else:
                     self.forward_op(op[0], op[1])  # type: ignore[misc]
+
+
+_Root: TypeAlias = torch.Tensor | GradientEdge | None
+
+
+def _root(out: torch.Tensor) -> _Root:
+    """What B(k) differentiates: the output's gradient edge, so the output itself can be freed
+    while its graph lives (a leaf output, e.g. nn.Identity's, is its own root)."""
+    if not out.requires_grad:
+        return None
+    return out if out.grad_fn is None else get_gradient_edge(out)
 
 
 def _autocast_state(device_type: str) -> list[tuple[str, bool, torch.dtype]]:

@@ -32,6 +32,9 @@ __all__ = ["InPlaceLayerError", "LayerProfile", "Profile", "flatten", "measure"]
 #   bw_tmp[k]      peak of torch.autograd.grad(output, [input, *params], d) above everything
 #                  it starts with plus the input gradient, not counting the parameter
 #                  gradients (mem_limit excludes parameters and their gradients).
+#   keeps_output   whether a tensor the forward saved for backward shares the output's storage
+#                  (saved_tensors_hooks see every saved tensor): if not, the output dies once
+#                  the next layer is done with it (NOTE [memory model] in simulate.py).
 #   uses_rng       whether the forward changed the CPU (or CUDA) random state: only such
 #                  layers need their state saved and replayed when recomputed.
 #   fw[k], bw[k]   median seconds of the forward with autograd and of that backward, over
@@ -61,6 +64,7 @@ class LayerProfile:
     fw_tmp_nbytes: int
     bw_tmp_nbytes: int
     uses_rng: bool = False
+    keeps_output: bool = True
 
 
 @dataclass(frozen=True)
@@ -89,6 +93,7 @@ class Profile:
             [p.fw_tmp_nbytes for p in ls],
             [p.bw_tmp_nbytes for p in ls],
             loss_tmp,
+            keeps_output=[p.keeps_output for p in ls],
         )
 
 
@@ -182,6 +187,7 @@ class _Sizes:
     fw_tmp_nbytes: int
     bw_tmp_nbytes: int
     uses_rng: bool
+    keeps_output: bool
 
 
 def _rng_state(device: torch.device) -> list[torch.Tensor]:
@@ -212,8 +218,15 @@ def _measure_memory(k: int, layer: nn.Module, x: torch.Tensor, meter: _Meter) ->
     grad_input = _differentiable(x)
     base = meter.mark()
     inp = x.detach().requires_grad_(grad_input)
-    with torch.enable_grad():
+    saved: set[int] = set()
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        saved.add(t.untyped_storage()._cdata)
+        return t
+
+    with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         out = _check_output(layer(inp), k, layer)
+    keeps_output = out.untyped_storage()._cdata in saved
     xbar_nbytes = max(meter.live() - base, x_nbytes)
     fw_tmp = max(fw_tmp, meter.peak() - base - xbar_nbytes)
     targets = ([inp] if grad_input else []) + _params(layer)
@@ -225,7 +238,7 @@ def _measure_memory(k: int, layer: nn.Module, x: torch.Tensor, meter: _Meter) ->
         param_grads = [g for g in grads[1 if grad_input else 0 :] if g is not None]
         input_grad = x.nbytes if grad_input else 0
         bw_tmp = max(0, meter.peak(param_grads) - base - input_grad)
-    return _Sizes(x_nbytes, xbar_nbytes, fw_tmp, bw_tmp, uses_rng)
+    return _Sizes(x_nbytes, xbar_nbytes, fw_tmp, bw_tmp, uses_rng, keeps_output)
 
 
 def _differentiable(x: torch.Tensor) -> bool:

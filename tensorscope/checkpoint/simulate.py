@@ -18,21 +18,26 @@ __all__ = ["Simulation", "Simulator", "simulate"]
 # What is alive while a chain trains, derived from what PyTorch allocates (docs/checkpoint.md
 # has the long version). Three kinds of values exist, each with a size:
 #   x[k]     a plain activation (computed without autograd, or the chain input x[0]): x_sizes[k].
-#   xbar[k]  what layer k-1 left allocated after running with autograd: its output x_k plus the
-#            tensors it saved for backward that did not exist before (a saved *input* is x_{k-1},
-#            already counted; parameters are excluded): xbar_sizes[k]. While xbar[k] is alive,
-#            x_k is available as its output.
+#   xbar[k]  what layer k-1 left allocated after running with autograd, xbar_sizes[k]: its
+#            output x_k -- the value ("out", k), x_sizes[k] -- plus the tensors it saved for
+#            backward that did not exist before -- ("saved", k), the rest (a saved *input* is
+#            x_{k-1}, already counted; parameters are excluded).
 #   d[k]     the gradient w.r.t. x_k: x_sizes[k] (same shape and dtype as x_k).
 # Each op's peak is (everything alive before it) + (what it creates) + (its transient):
-#   Fn(k)   creates x[k+1], + fw_tmp[k]; then frees the plain x[k] (an x_k inside xbar[k] stays,
-#           autograd still holds it; Fn(0) is refused: the caller owns the chain input).
+#   Fn(k)   creates x[k+1], + fw_tmp[k]; then frees the plain x[k] (an x_k that is the output
+#           of Fe(k-1) stays; Fn(0) is refused: the caller owns the chain input).
 #   Fck(k)  the same but keeps x[k] (a checkpoint).
 #   Fe(k)   creates xbar[k+1], + fw_tmp[k]; keeps its input (backward needs it).
-#   Loss    reads x_L, creates d[L], + loss_tmp; then frees a plain x[L].
+#   Loss    reads x_L, creates d[L], + loss_tmp; then frees x_L (see below).
 #   B(k)    reads xbar[k+1], d[k+1] and x_k; creates d[k], + bw_tmp[k]; then frees xbar[k+1],
-#           d[k+1] and a plain x[k] (k > 0): nothing after B(k) needs them -- except d[L]:
+#           d[k+1] and x_k (below; k > 0): nothing after B(k) needs them -- except d[L]:
 #           autograd holds the chain output's gradient as the incoming gradient of the
 #           executor's Function until that backward returns, so d[L] stays alive to the end.
+# Freeing x_k: a plain x_k goes at B(k) (or at Loss, k = L). The output of Fe(k-1) goes with
+# it too unless layer k-1's autograd state holds its own output (chain.keeps_output[k-1]: ReLU
+# saves its result, Linear does not); then it goes at B(k-1) with the rest of xbar[k]. An
+# output nobody will read (Fe(k-1) after B(k) or the loss ran) is freed as soon as it is made.
+# With keeps_output all True this is rotor's model: xbar[k+1] lives from Fe(k) to B(k).
 # The chain input x[0] is alive throughout (mem_limit includes it). Time is the sum of fw[k]
 # over forward ops plus bw[k] over B ops. Validity rules: an op needs its inputs alive; a value
 # is never computed while it is already available (no duplicate x_k); no forward of layer k
@@ -57,7 +62,8 @@ class Simulation:
 class Simulator:
     """Step-by-step replay of ops on a chain (used by :func:`simulate` and brute-force search).
 
-    The state is the set of alive values: ``("x", k)``, ``("xbar", k)``, ``("d", k)``.
+    The state is the set of alive values: ``("x", k)``, ``("out", k)``, ``("saved", k)``,
+    ``("d", k)``.
 
     Example:
         >>> sim = Simulator(Chain([1], [1], [4, 4], [0, 8], [0], [0]))
@@ -80,8 +86,8 @@ class Simulator:
         self._index = 0
 
     def available(self, k: int) -> bool:
-        """Whether activation ``x_k`` can be read (plain, or as the output inside ``xbar[k]``)."""
-        return ("x", k) in self.alive or ("xbar", k) in self.alive
+        """Whether activation ``x_k`` can be read (plain, or as the output of ``Fe(k - 1)``)."""
+        return ("x", k) in self.alive or ("out", k) in self.alive
 
     @property
     def complete(self) -> bool:
@@ -105,6 +111,12 @@ class Simulator:
         nbytes = self.alive.pop(key, None)
         if nbytes is not None:
             self.alive_nbytes -= nbytes
+
+    def _drop_x(self, k: int) -> None:
+        """x_k is no longer needed: free it unless autograd state holds it (see the NOTE)."""
+        self._drop(("x", k))
+        if k > 0 and not self.chain.keeps_output[k - 1]:
+            self._drop(("out", k))
 
     def check(self, op: Op) -> int:
         """Validate ``op`` in the current state and return its peak, without applying it.
@@ -131,7 +143,7 @@ class Simulator:
         if kind == "B":
             if ("d", k + 1) not in self.alive:
                 raise self._fail(op, f"needs the gradient d_{k + 1}, which is not alive")
-            if ("xbar", k + 1) not in self.alive:
+            if ("saved", k + 1) not in self.alive:
                 raise self._fail(op, f"needs the autograd state of layer {k} (run Fe({k}) first)")
             return self.alive_nbytes + c.x_sizes[k] + c.bw_tmp[k]
         if k in self.backward_done:
@@ -156,24 +168,30 @@ class Simulator:
         if op[0] == "Loss":
             n = c.length
             self._add(("d", n), c.x_sizes[n])
-            self._drop(("x", n))
+            self._drop_x(n)
             self.loss_done = True
         else:
             kind, k = op  # type: ignore[misc]
             if kind == "B":
                 self.time += c.bw[k]
                 self._add(("d", k), c.x_sizes[k])
-                self._drop(("xbar", k + 1))
+                self._drop(("saved", k + 1))
+                self._drop(("out", k + 1))
                 if k + 1 < c.length:
                     self._drop(("d", k + 1))
                 if k > 0:
-                    self._drop(("x", k))
+                    self._drop_x(k)
                 self.backward_done.add(k)
                 self.checkpoints.discard(k)
             else:
                 self.time += c.fw[k]
                 if kind == "Fe":
-                    self._add(("xbar", k + 1), c.xbar_sizes[k + 1])
+                    out = c.x_sizes[k + 1]
+                    self._add(("saved", k + 1), c.xbar_sizes[k + 1] - out)
+                    self._add(("out", k + 1), out)
+                    done = self.loss_done if k + 1 == c.length else k + 1 in self.backward_done
+                    if done:
+                        self._drop_x(k + 1)
                 else:
                     self._add(("x", k + 1), c.x_sizes[k + 1])
                     if kind == "Fn":

@@ -71,7 +71,11 @@ class _Terms:
         # Option Fe(i): shift of the child's budget, needs of Fe(i) (without d[l+1]) and B(i).
         self.shift = [x[i] + xb[i + 1] - x[i + 1] for i in range(n)]
         self.fe_need = [x[i] + xb[i + 1] + c.fw_tmp[i] for i in range(n)]
-        self.b_need = [2 * x[i] + xb[i + 1] + x[i + 1] + c.bw_tmp[i] for i in range(n)]
+        # B(i) reads xbar[i+1] (less its output if layer i does not keep it: B(i+1) freed it).
+        self.b_need = [
+            2 * x[i] + xb[i + 1] + (x[i + 1] if c.keeps_output[i] else 0) + c.bw_tmp[i]
+            for i in range(n)
+        ]
         self.loss_need = 2 * x[n] + c.loss_tmp
         # The output gradient d[L] stays alive from the loss to the end (simulate.py).
         self.kept = x[n]

@@ -103,4 +103,5 @@ def chains(draw: st.DrawFn, max_layers: int = 4, max_size: int = 6) -> Chain:
         draw(st.lists(small, min_size=n, max_size=n)),
         draw(st.lists(small, min_size=n, max_size=n)),
         draw(small),
+        keeps_output=draw(st.lists(st.booleans(), min_size=n, max_size=n)),
     )

@@ -36,7 +36,7 @@ def test_fn_drops_its_input_but_not_one_autograd_holds() -> None:
     sim = Simulator(CHAIN)
     sim.step(("Fe", 0))
     sim.step(("Fn", 1))  # x1 is the output inside xbar1: it stays
-    assert sim.alive == {("x", 0): 4, ("xbar", 1): 5, ("x", 2): 3}
+    assert sim.alive == {("x", 0): 4, ("saved", 1): 3, ("out", 1): 2, ("x", 2): 3}
 
 
 @pytest.mark.parametrize(
