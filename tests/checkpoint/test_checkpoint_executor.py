@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
@@ -182,3 +183,37 @@ def test_live_memory_matches_the_simulator_op_by_op() -> None:
         for m in layers:
             m.zero_grad()
         x.grad = None
+
+
+def test_identity_views_and_in_place_safe_layers() -> None:
+    torch.manual_seed(0)
+    layers: list[nn.Module] = [
+        nn.Linear(16, 16),
+        nn.Identity(),  # returns its input: a leaf output
+        nn.ReLU(),  # keeps its output
+        nn.Flatten(),  # a view of its input
+        nn.Linear(16, 16),
+        nn.Sigmoid(),
+    ]
+    x = torch.randn(8, 16, requires_grad=True)
+    chain = measure(layers, x, repeats=1).to_chain()
+    ref = nn.Sequential(*copy.deepcopy(layers))
+    x_ref = x.detach().clone().requires_grad_(True)
+    ref(x_ref).pow(2).sum().backward()
+    for limit in (min_memory(chain), store_all_memory(chain)):
+        ops = solve(chain, limit).ops
+        x.grad = None
+        for m in layers:
+            m.zero_grad()
+        mismatches, peak = live_mismatches(layers, x, chain, ops)
+        assert peak <= limit
+        # aliases are counted once per name in the model: reality can only use less
+        assert all(live <= model for _, live, model in mismatches)
+        x.grad = None
+        for m in layers:
+            m.zero_grad()
+        Executor(layers, ops)(x).pow(2).sum().backward()
+        assert torch.equal(x.grad, x_ref.grad)  # type: ignore[arg-type]
+        params = [p for m in layers for p in m.parameters()]
+        for p, q in zip(params, ref.parameters(), strict=True):
+            assert torch.equal(p.grad, q.grad)  # type: ignore[arg-type]

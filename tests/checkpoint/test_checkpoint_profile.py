@@ -85,13 +85,16 @@ def test_measure_sizes() -> None:
     assert got["Linear"] == (size, size, 0)  # saves its input (already counted) and weight
     assert got["ReLU"] == (size, size, 0)  # saves its output
     assert got["Dropout"][0] == size and got["Dropout"][1] > size  # the mask is saved
-    # h, sigmoid(h) and the output stay with autograd; without, h and sigmoid(h) are transient
+    # xbar: the output plus the saved h and sigmoid(h); without autograd those two are transient
     assert got["SiLUBlock"] == (size, 3 * size, 2 * size)
     assert got["Temporaries"] == (size, size, size)
     assert got["Flatten"] == (size, size, 0)  # a view: counted at its storage's size
     assert all(p.fw_s >= 0 and p.bw_s >= 0 for p in prof.layers)
-    assert [p.uses_rng for p in prof.layers] == [False, False, True, False, False, False]
     chain = prof.to_chain(loss_tmp=5)
+    assert [p.uses_rng for p in prof.layers] == [False, False, True, False, False, False]
+    # ReLU saves its result; the others save inputs, masks or intermediates (or nothing)
+    assert [p.keeps_output for p in prof.layers] == [False, True, False, False, False, False]
+    assert chain.keeps_output == (False, True, False, False, False, False)
     assert chain.x_sizes[0] == size and chain.loss_tmp == 5 and chain.length == 6
 
 
