@@ -22,8 +22,9 @@ __all__ = ["LOSS_SCALAR_NBYTES", "RNG_STATE_NBYTES", "Checkpointable"]
 #: the limit for each layer that does (dropout...).
 RNG_STATE_NBYTES = 5056
 
-#: Reserved for the scalar loss and autograd's seed gradient (``ones_like(loss)``): both stay
-#: alive during the whole backward, while the schedule's own backward runs.
+#: Reserved for the scalar loss and autograd's seed gradient (``ones_like(loss)``), both alive
+#: during the whole backward, and the executor's scalar gradient placeholder (NOTE [merged
+#: backward] in executor.py).
 LOSS_SCALAR_NBYTES = 64
 
 _SUB = "tensorscope.checkpoint"
