@@ -6,7 +6,6 @@ module buffers (BatchNorm running statistics) are restored afterwards.
 
 from __future__ import annotations
 
-import statistics
 import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
@@ -37,7 +36,7 @@ __all__ = ["InPlaceLayerError", "LayerProfile", "Profile", "flatten", "measure"]
 #                  the next layer is done with it (NOTE [memory model] in simulate.py).
 #   uses_rng       whether the forward changed the CPU (or CUDA) random state: only such
 #                  layers need their state saved and replayed when recomputed.
-#   fw[k], bw[k]   median seconds of the forward with autograd and of that backward, over
+#   fw[k], bw[k]   seconds of the forward with autograd and of that backward: the least of
 #                  ``repeats`` untracked runs after the tracked one (CUDA: synchronized).
 # Memory comes from StorageTracker on CPU (NOTE [storage accounting on CPU]) and from
 # torch.cuda.memory_allocated / max_memory_allocated on CUDA, where parameter gradients cannot
@@ -246,7 +245,8 @@ def _differentiable(x: torch.Tensor) -> bool:
 
 
 def _measure_time(layer: nn.Module, x: torch.Tensor, repeats: int) -> tuple[float, float]:
-    """Median seconds of the forward with autograd, and of its backward."""
+    """Seconds of the forward with autograd, and of its backward: the least of ``repeats``
+    runs, the best estimate of the undisturbed time on a busy machine."""
     device = x.device
 
     def now() -> float:
@@ -272,7 +272,7 @@ def _measure_time(layer: nn.Module, x: torch.Tensor, repeats: int) -> tuple[floa
             bw_s.append(now() - start)
         else:
             bw_s.append(0.0)
-    return statistics.median(fw_s), statistics.median(bw_s)
+    return min(fw_s), min(bw_s)
 
 
 @contextmanager
@@ -305,7 +305,7 @@ def measure(
     Args:
         layers: the chain's layers, in order (see :func:`flatten`).
         sample_input: a typical batch (its size decides every activation size).
-        repeats: timed runs per layer after the measured one; times are medians.
+        repeats: timed runs per layer after the measured one; times are the least.
 
     Raises:
         ArgumentTypeError: a layer does not return a single tensor.

@@ -228,3 +228,26 @@ def test_identity_views_and_in_place_safe_layers() -> None:
         params = [p for m in layers for p in m.parameters()]
         for p, q in zip(params, ref.parameters(), strict=True):
             assert torch.equal(p.grad, q.grad)  # type: ignore[arg-type]
+
+
+def test_consecutive_backwards_share_one_engine_call(monkeypatch: pytest.MonkeyPatch) -> None:
+    torch.manual_seed(0)
+    layers: list[nn.Module] = [nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 8), nn.GELU()]
+    x = torch.randn(4, 8, requires_grad=True)
+    calls: list[int] = []
+    real = executor_module._grad
+
+    def counting(*args: object) -> object:
+        calls.append(1)
+        return real(*args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(executor_module, "_grad", counting)
+    store_all = (("Fe", 0), ("Fe", 1), ("Fe", 2), ("Fe", 3), ("Loss",))
+    Executor(layers, (*store_all, ("B", 3), ("B", 2), ("B", 1), ("B", 0)))(x).sum().backward()
+    assert len(calls) == 1
+    split = (("Fck", 0), ("Fn", 1), ("Fe", 2), ("Fe", 3), ("Loss",), ("B", 3), ("B", 2))
+    grad_store_all = x.grad
+    x.grad = None
+    Executor(layers, (*split, ("Fe", 0), ("Fe", 1), ("B", 1), ("B", 0)))(x).sum().backward()
+    assert len(calls) == 3  # layers 3+2, then 1+0
+    torch.testing.assert_close(x.grad, grad_store_all)
