@@ -150,28 +150,32 @@ class Chain:
         """Number of layers ``L``."""
         return len(self.fw)
 
-    def scaled(self, slots: int, mem_limit: int) -> Chain:
-        """Sizes in units of ``mem_limit / slots``, rounded up (times unchanged).
+    def scaled(self, slots: int, mem_limit: int, *, up: bool = True) -> Chain:
+        """Sizes in units of ``mem_limit / slots``, rounded up (or to nearest); same times.
 
-        A schedule that fits ``slots`` units with these sizes fits ``mem_limit`` with the real
-        ones: every peak is a sum of sizes, and each size only grew.
+        Rounded up, a schedule that fits ``slots`` units fits ``mem_limit`` with the real
+        sizes: every peak is a sum of sizes, and each size only grew.
 
         Example:
             >>> Chain([1], [1], [10, 25], [0, 30], [0], [5]).scaled(10, 100).x_sizes
             (1, 3)
+            >>> Chain([1], [1], [10, 25], [0, 30], [0], [5]).scaled(10, 100, up=False).x_sizes
+            (1, 3)
         """
 
-        def up(values: tuple[int, ...]) -> list[int]:
-            return [-(-v * slots // mem_limit) for v in values]
+        def unit(values: tuple[int, ...]) -> list[int]:
+            if up:
+                return [-(-v * slots // mem_limit) for v in values]
+            return [(2 * v * slots + mem_limit) // (2 * mem_limit) for v in values]
 
         return Chain(
             self.fw,
             self.bw,
-            up(self.x_sizes),
-            up(self.xbar_sizes),
-            up(self.fw_tmp),
-            up(self.bw_tmp),
-            up((self.loss_tmp,))[0],
+            unit(self.x_sizes),
+            unit(self.xbar_sizes),
+            unit(self.fw_tmp),
+            unit(self.bw_tmp),
+            unit((self.loss_tmp,))[0],
             keeps_output=self.keeps_output,
         )
 

@@ -304,6 +304,24 @@ def _min_memory_ops(chain: Chain) -> list[Op]:
     return out
 
 
+def _nearest_slots(chain: Chain, limit: int, slots: int) -> tuple[list[Op], float] | None:
+    """NOTE [rounding to slots]: rounding every size up wastes half a slot per live value on
+    average. Solve on sizes rounded to nearest instead, then walk the table down from `slots`
+    units (every smaller budget is already tabulated) until a schedule fits the real limit when
+    simulated on the real sizes; the first that fits is the fastest of those. None if none is
+    found within a few steps: the caller then rounds up, which always fits."""
+    table = _Table(_Terms(chain.scaled(slots, limit, up=False)), slots)
+    n = chain.length
+    if table.lo[0][n] > slots:
+        return None
+    table.fill()
+    for m in range(slots, max(table.lo[0][n], slots - 64) - 1, -1):
+        ops = table.ops(m)
+        if simulate(chain, ops).peak <= limit:
+            return ops, table.value(0, n, m)
+    return None
+
+
 def _too_small(chain: Chain, limit: int, least: int, top: int, unit: str) -> ScheduleError:
     return ScheduleError(
         f"tensorscope.checkpoint: no schedule fits mem_limit={limit} ({format_bytes(limit)}"
@@ -353,8 +371,11 @@ def solve(chain: Chain, mem_limit: int | str, *, slots: int | None = None) -> Sc
     least, top = lo[0][n], hi[0][n]
     if limit < least:
         raise _too_small(chain, limit, least, top, "")
+    found = None if slots is None or limit >= top else _nearest_slots(chain, limit, slots)
     if limit >= top:
         ops, time = store_all_ops(0, n, n), t.store_all_time[0][n]
+    elif found is not None:
+        ops, time = found
     else:
         scaled = chain if slots is None else chain.scaled(slots, limit)
         table = _Table(_Terms(scaled), limit if slots is None else slots)

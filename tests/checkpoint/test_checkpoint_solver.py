@@ -193,3 +193,14 @@ def test_pure_modules_do_not_import_torch(module: str) -> None:
     code = f"import sys, {module}; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
+
+
+def test_slots_round_to_nearest_then_check_the_real_limit() -> None:
+    # sizes 701 with 60 slots: a slot is limit / 60 ~ 117-175, so rounding every size up
+    # would lose up to a whole activation; rounding to nearest and checking does not here
+    n = 12
+    chain = Chain([1.0] * n, [2.0] * n, [701] * (n + 1), [0] + [701] * n, [0] * n, [0] * n)
+    for limit in (7006, 8406, 9806, 10506):
+        s = solve(chain, limit, slots=60)
+        assert s.time == solve(chain, limit).time
+        assert s.peak <= limit
