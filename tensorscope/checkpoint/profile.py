@@ -53,7 +53,14 @@ class InPlaceLayerError(InvalidArgumentError):
 
 @dataclass(frozen=True)
 class LayerProfile:
-    """What :func:`measure` found for one layer (sizes in bytes, times in seconds)."""
+    """What :func:`measure` found for one layer (sizes in bytes, times in seconds).
+
+    Example:
+        >>> import torch
+        >>> layer = measure([torch.nn.ReLU()], torch.randn(4, 8), repeats=1).layers[0]
+        >>> layer.x_nbytes, layer.xbar_nbytes, layer.keeps_output, layer.uses_rng
+        (128, 128, True, False)
+    """
 
     name: str
     fw_s: float

@@ -52,6 +52,12 @@ class Simulation:
         time: sum of the forward and backward times of the ops, in seconds.
         peak: highest memory reached during any op (same unit as the chain's sizes).
         op_peaks: the peak during each op, in order.
+
+    Example:
+        >>> chain = Chain([1], [2], [4, 4], [0, 8], [0], [0])
+        >>> sim = simulate(chain, [("Fe", 0), ("Loss",), ("B", 0)])
+        >>> sim.time, sim.peak, sim.op_peaks
+        (3.0, 20, (12, 16, 20))
     """
 
     time: float
