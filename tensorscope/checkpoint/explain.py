@@ -65,8 +65,8 @@ def explain(module: Checkpointable) -> str:
     else:
         slot = (limit - module.reserved_nbytes) / module.slots
         how = (
-            f"{format_bytes(limit)} (solved on {module.slots} slots of {format_bytes(slot)}, "
-            f"sizes rounded up to whole slots)"
+            f"{format_bytes(limit)} (solved on {module.slots} slots of {format_bytes(slot)}; "
+            f"the peak below is exact)"
         )
     plain = sum(chain.fw) + sum(chain.bw)
     overhead = (sched.time / plain - 1.0) * 100 if plain > 0 else 0.0

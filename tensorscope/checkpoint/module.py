@@ -35,8 +35,9 @@ _SUB = "tensorscope.checkpoint"
 # (executor.py). Later calls reuse the schedule; a batch larger than the measured one (in
 # bytes), or on another device or dtype, is measured again. Eval mode, torch.no_grad() and
 # calls where nothing requires grad run the wrapped Sequential unchanged.
-# Limits: bytes are discretised into `slots` units of mem_limit / slots (rotor's default 500),
-# sizes rounded up, so the schedule fits the real limit; a limit at or above what storing
+# Limits: bytes are discretised into `slots` units of mem_limit / slots (rotor's default 500;
+# NOTE [rounding to slots] in solver.py), and the schedule is checked on the exact sizes, so it
+# always fits the real limit; a limit at or above what storing
 # everything needs skips the solver. mem_limit=None means: on CUDA the memory free on the device
 # when solving (plus the batch itself), on CPU no limit (store everything, no recomputation).
 
@@ -60,7 +61,8 @@ class Checkpointable(nn.Module):
             fused with the layer before it).
         mem_limit: bytes (``int``) or a string such as ``"2GiB"``; ``None``: free device
             memory on CUDA, no limit on CPU.
-        slots: the solver measures memory in ``mem_limit / slots`` units (sizes rounded up).
+        slots: the solver measures memory in ``mem_limit / slots`` units (the schedule is then
+            checked on exact byte sizes, so it always fits ``mem_limit``).
         preserve_rng_state: replay the random state for recomputed layers (dropout).
         loss_tmp_nbytes: memory your loss needs on top of the model output and its gradient.
         repeats: timed runs per layer when measuring.

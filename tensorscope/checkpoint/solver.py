@@ -337,10 +337,11 @@ def solve(chain: Chain, mem_limit: int | str, *, slots: int | None = None) -> Sc
 
     Exact (``slots=None``): the dynamic program runs on the integer sizes as given, over every
     memory value up to the limit, so its cost grows with ``mem_limit`` -- use a coarse unit, or
-    ``slots``. With ``slots=n`` the sizes are measured in units of ``mem_limit / n``, rounded
-    up, and the limit is ``n`` units: the schedule may be slightly slower than the exact
-    optimum but always fits the real limit (its ``peak`` is simulated on the real sizes). If
-    rounding leaves no schedule although one fits, the least-memory schedule is returned.
+    ``slots``. With ``slots=n`` the sizes are measured in units of ``mem_limit / n`` and the
+    limit is ``n`` units (NOTE [rounding to slots]): the schedule may be slightly slower than
+    the exact optimum but always fits the real limit (its ``peak`` is simulated on the real
+    sizes). If rounding leaves no schedule although one fits, the least-memory schedule is
+    returned.
 
     Args:
         chain: per-layer times and sizes.
@@ -383,7 +384,7 @@ def solve(chain: Chain, mem_limit: int | str, *, slots: int | None = None) -> Sc
             raise InvalidArgumentError(
                 f"tensorscope.checkpoint: an exact solve at mem_limit={limit} would evaluate "
                 f"{table.work():,} table cells; express sizes in a coarser unit or pass "
-                f"slots=500 (sizes rounded up, the schedule still fits the real limit)"
+                f"slots=500 (rounded sizes; the schedule is checked on the real ones)"
             )
         if table.lo[0][n] > table.limit:
             ops = _min_memory_ops(chain)
