@@ -51,7 +51,7 @@ def test_same_outputs_gradients_and_statistics_as_plain(input_grad: bool) -> Non
     x = torch.randn(16, WIDTH)
     plain = make_layers()
     ops_list = schedules(plain, x)
-    assert len({len(ops) for ops in ops_list}) == 3  # three really different schedules
+    assert len(ops_list[0]) > len(ops_list[2]) == 2 * len(plain) + 1  # recomputation vs none
     x_ref = x.clone().requires_grad_(input_grad)
     out_ref, grads_ref = step(plain, None, x_ref)
     for ops in ops_list:
