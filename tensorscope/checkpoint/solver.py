@@ -27,17 +27,18 @@ MAX_TABLE_WORK = 150_000_000
 # B(i) (or the loss alone, for (L, L)), which leaves d[i]. opt(m, i, l) is its least time when
 # everything it holds -- x_i, d[l+1], and all it creates -- never exceeds m; whatever outer
 # levels keep alive is taken out of m by the caller. Two choices:
-#   Fe(i), (i+1, l), B(i): xbar[i+1] stays until B(i). The child counts x_{i+1} itself, so it
-#       gets m - (x_i + xbar_{i+1} - x_{i+1}); Fe(i) and B(i) must fit m on their own.
+#   Fe(i), (i+1, l), B(i): the child counts x_{i+1} itself, so it gets
+#       m - (x_i + xbar_{i+1} - x_{i+1}); Fe(i) and B(i) must fit m on their own (B(i) without
+#       x_{i+1} if layer i does not keep its output: the child's B(i+1) freed it).
 #   Fck(i) Fn(i+1) .. Fn(j-1), then (j, l) with x_i held outside it (m - x_i), then (i, j-1),
 #       which starts from x_i and d[j]: the checkpoint x_j was freed by (j, l)'s B(j).
 # The output gradient d[L], created by the loss, stays alive to the end (autograd holds it).
 # Sub-problems with l < L - 1 run after the loss and leave it outside their m; those with
 # l >= L - 1 hold it once B(L-1) (or the loss) ran: their B(i), i < L - 1, counts it, and their
 # left child (i, j-1) gets m - x_L unless d[L] is that child's own incoming gradient (j = L).
-# With these exact terms every schedule the table describes simulates (simulate.py) to the
-# same time and to a peak <= m; rotor's published tables check Fe(i) against the wrong
-# gradient size, so their schedules can exceed the limit. Tests brute-force all valid
+# Every term is the simulator's (simulate.py), not a re-derivation: each schedule the table
+# describes simulates to the same time and to a peak <= m (rotor's own Fe(i) test is known to
+# use the wrong gradient size and can exceed its budget). Tests brute-force all valid
 # schedules of tiny chains against it.
 #
 # NOTE [fast table]
