@@ -68,7 +68,7 @@ def test_store_all_limit_gives_plain_time() -> None:
         assert solve(chain, top - 1).time >= s.time if top - 1 >= min_memory(chain) else True
 
 
-@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(chains())
 def test_dp_equals_brute_force_over_persistent_schedules(chain: Chain) -> None:
     least = min_memory(chain)
@@ -103,8 +103,8 @@ def test_time_never_increases_with_the_limit(chain: Chain) -> None:
     assert times[-1] == sum(chain.fw) + sum(chain.bw)
 
 
-@settings(max_examples=80, deadline=None)
-@given(chains(max_layers=10, max_size=10_000), st.integers(5, 60), st.floats(0, 1))
+@settings(max_examples=50, deadline=None)
+@given(chains(max_layers=10, max_size=2_000), st.integers(5, 60), st.floats(0, 1))
 def test_slots_schedules_fit_the_real_limit(chain: Chain, slots: int, frac: float) -> None:
     least, top = min_memory(chain), store_all_memory(chain)
     limit = max(1, least + int(frac * (top - least)))
