@@ -46,7 +46,7 @@ def test_bad_arguments() -> None:
 
 
 def test_limit_too_small_says_what_fits() -> None:
-    model = Checkpointable(make_net(), mem_limit=1000)
+    model = Checkpointable(make_net(), mem_limit=1000, repeats=1)
     with pytest.raises(ScheduleError) as err:
         model(torch.randn(32, WIDTH))
     msg = str(err.value)
@@ -118,7 +118,7 @@ def test_measured_peak_stays_under_the_limit(fraction: float) -> None:
 
 
 def test_explain_and_compute_sequence() -> None:
-    model = Checkpointable(make_net(), mem_limit="10GiB")
+    model = Checkpointable(make_net(), mem_limit="10GiB", repeats=1)
     x = torch.randn(32, WIDTH)
     model(x).sum().backward()
     text = model.explain()
@@ -135,7 +135,7 @@ def test_explain_and_compute_sequence() -> None:
 
 
 def test_default_cpu_limit_stores_everything_and_measures_once() -> None:
-    model = Checkpointable(make_net())
+    model = Checkpointable(make_net(), repeats=1)
     model(torch.randn(32, WIDTH)).sum().backward()
     assert model.schedule is not None
     assert all(op[0] in ("Fe", "B", "Loss") for op in model.schedule.ops)
@@ -155,7 +155,7 @@ def test_nested_sequentials_and_in_place_layers() -> None:
         nn.Sequential(nn.Linear(8, 8), nn.Sequential(nn.Tanh(), nn.Linear(8, 2))),
     )
     plain = copy.deepcopy(net)
-    model = Checkpointable(net)
+    model = Checkpointable(net, repeats=1)
     assert len(model.layers) == 5
     x = torch.randn(4, 8)
     model.measure(x)
