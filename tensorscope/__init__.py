@@ -3,6 +3,7 @@
 Public names only (see API.md); no logic here.
 """
 
+from tensorscope import checkpoint
 from tensorscope.errors import (
     ArgumentTypeError,
     DisposedTensorError,
@@ -55,6 +56,7 @@ __all__ = [
     "TensorRef",
     "TensorScopeError",
     "__version__",
+    "checkpoint",
     "current_scope",
     "dispose",
     "dispose_everything",

@@ -5,8 +5,6 @@ from __future__ import annotations
 import itertools
 import math
 import random
-import subprocess
-import sys
 
 import pytest
 from checkpoint_helpers import best_time, chains, least_memory
@@ -185,14 +183,7 @@ def test_chain_validation(kwargs: dict[str, object], error: type[Exception], mat
         Chain(**args)  # type: ignore[arg-type]
 
 
-@pytest.mark.parametrize(
-    "module",
-    ["tensorscope.checkpoint.solver", "tensorscope.checkpoint.simulate", "tensorscope.checkpoint"],
-)
-def test_pure_modules_do_not_import_torch(module: str) -> None:
-    code = f"import sys, {module}; print('torch' in sys.modules)"
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    assert out.stdout.strip() == "False"
+# Purity (no torch import) is checked for every pure module in tests/core/test_pure_modules.py.
 
 
 def test_slots_round_to_nearest_then_check_the_real_limit() -> None:
