@@ -12,12 +12,13 @@ from __future__ import annotations
 import itertools
 import threading
 import time
+import warnings
 from collections.abc import Hashable
 
 import torch
 
 from tensorscope._torch import new_storage, storage_use_count
-from tensorscope.errors import ResidencyError
+from tensorscope.errors import ResidencyError, ResidencyWarning
 from tensorscope.tiers import (
     DeviceTier,
     DiskRegion,
@@ -185,11 +186,21 @@ class Movers:
 
     def _materialize(self, placement: Placement) -> None:
         if self.device.is_cpu:
-            if placement.region is not None:
-                fresh = new_storage(placement.nbytes)
-                fresh.copy_(placement.storage)
+            region = placement.region
+            if region is not None:
+                if region.intact():
+                    fresh = new_storage(placement.nbytes)
+                    fresh.copy_(placement.storage)
+                else:  # the file was truncated behind our back: the bytes are gone
+                    fresh = torch.zeros(placement.nbytes, dtype=torch.uint8).untyped_storage()
+                    warnings.warn(
+                        f"tensorscope.residency: the offload file of a {placement.nbytes}-byte "
+                        "tensor was truncated; its data is lost and reads as zeros now.",
+                        ResidencyWarning,
+                        stacklevel=4,
+                    )
                 swap_in(placement.storage, fresh)
-                placement.region.close()
+                region.close()
                 placement.region = None
         else:
             self.promote(placement)

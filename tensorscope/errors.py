@@ -18,6 +18,7 @@ __all__ = [
     "LeakWarning",
     "OutOfBudgetError",
     "ResidencyError",
+    "ResidencyWarning",
     "ScheduleError",
     "ScopeError",
     "TensorScopeError",
@@ -61,6 +62,10 @@ class InvalidArgumentError(TensorScopeError, ValueError):
 
 class ArgumentTypeError(TensorScopeError, TypeError):
     """An argument of the wrong type was passed to tensorscope (a list where a tensor is needed)."""
+
+
+class ResidencyWarning(UserWarning):
+    """Something went wrong behind the residency manager's back (an offload file truncated)."""
 
 
 class LeakWarning(UserWarning):

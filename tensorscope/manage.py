@@ -152,6 +152,7 @@ def manage(module: nn.Module, *, manager: ResidencyManager | None = None) -> Man
     data = thread_data()
     activate_residency(data, manager)  # held by the handle until remove()
     handle = ManagedModule(module, manager, data)
+    manager._handles.add(handle)
     try:
         for name, param in module.named_parameters():
             handle._add(param, f"param:{name}")

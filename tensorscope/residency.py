@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import os
 import threading
+import weakref
 from collections.abc import Callable, Hashable, Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -229,6 +230,7 @@ class ResidencyManager:
         self._prefetcher: _Prefetcher | None = None
         self._busy: set[int] = set()
         self._threads: dict[int, ThreadData] = {}
+        self._handles: weakref.WeakSet[Any] = weakref.WeakSet()  # live ts.manage() handles
 
     # ------------------------------------------------------------------------ configuration
     def configure(
@@ -778,10 +780,14 @@ class ResidencyManager:
             self._sweep()
 
     def reset(self) -> None:
-        """Forget every placement (bringing data back into ordinary memory) and statistics."""
+        """Forget everything managed (data back in ordinary memory), statistics and settings'
+        history; ``ts.manage`` handles are removed. Configuration is kept."""
+        for handle in list(self._handles):
+            handle.remove()
         with self._lock:
             for placement in list(self._placements.values()):
                 self.unregister(placement)
+            self._sweep()
             self._bytes = dict.fromkeys(TIER_ORDER, 0)
             self._peak = dict.fromkeys(TIER_ORDER, 0)
             self._transfers = [0, 0, 0.0]

@@ -1,0 +1,160 @@
+"""The budget is a hard limit on accounted device bytes; policies decide what moves."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import tensorscope as ts
+
+MiB = 1 << 20
+
+
+def _refs(count: int, nbytes: int) -> list[ts.TensorRef]:
+    return [ts.ref(torch.full((nbytes // 4,), float(i))) for i in range(count)]
+
+
+def test_explicit_promote_makes_room_and_never_exceeds_the_budget() -> None:
+    ts.residency.configure(policy="flow", budget=2 * MiB)
+    tensors = _refs(4, MiB)
+    for t in tensors:
+        t.demote()
+    for t in tensors:
+        t.promote()
+        assert ts.residency.report().tiers["device"].resident_bytes <= 2 * MiB
+    assert sum(t.tier == "device" for t in tensors) == 2
+    assert ts.residency.report().peak_bytes <= 2 * MiB
+
+
+def test_an_op_too_big_for_the_budget_raises_and_loses_nothing() -> None:
+    ts.residency.configure(policy="genoa", budget=1 * MiB)
+    a = ts.ref(torch.ones(MiB // 4))
+    b = ts.ref(torch.full((MiB // 4,), 2.0))
+    a.demote()
+    b.demote()
+    with ts.scope(), pytest.raises(ts.OutOfBudgetError, match=r"aten\.add.*budget of 1\.0 MiB"):
+        a + b
+    assert a.tier == "disk" and b.tier == "disk"
+    ts.residency.configure(budget=4 * MiB)
+    with ts.scope():
+        total = (a + b).sum().item()
+    assert total == 3.0 * (MiB // 4)
+
+
+def test_genoa_keeps_nothing_on_the_device_between_ops() -> None:
+    ts.residency.configure(policy="genoa", budget=8 * MiB)
+    a, b = _refs(2, MiB)
+    a.demote()  # managed from now on
+    b.demote()
+    with ts.scope():
+        c = a * 2
+        assert a.tier == "disk" and c.tier == "disk"  # operands and result demoted right after
+        d = c + b
+        assert (b.tier, c.tier, d.tier) == ("disk", "disk", "disk")
+        assert d[0].item() == 1.0
+    assert ts.residency.report().peak_bytes <= 3 * MiB
+
+
+def test_smaller_budget_demotes_at_once() -> None:
+    ts.residency.configure(policy="flow", budget=None)
+    tensors = _refs(4, MiB)
+    for t in tensors:
+        ts.residency.register(t)
+    assert ts.residency.report().tiers["device"].resident_bytes == 4 * MiB
+    ts.residency.configure(budget=2 * MiB)
+    assert ts.residency.report().tiers["device"].resident_bytes <= 2 * MiB
+    assert [t[0].item() for t in tensors] == [0.0, 1.0, 2.0, 3.0]
+
+
+def test_report_is_a_readable_table() -> None:
+    ts.residency.configure(policy="genoa", budget="3MiB")
+    a = _refs(1, MiB)[0]
+    a.demote()
+    a.promote()
+    rep = ts.residency.report()
+    text = str(rep)
+    assert "policy genoa" in text and "budget 3.0 MiB" in text
+    assert "device" in text and "disk" in text and "transfers: 2 moves" in text
+    assert rep.transfers.count == 2 and rep.transfers.bytes == 2 * MiB
+    assert rep.tiers["device"].resident_bytes == MiB
+
+
+def _mlp() -> nn.Sequential:
+    torch.manual_seed(0)
+    layers: list[nn.Module] = [nn.Linear(128, 128)]
+    for _ in range(6):
+        layers += [nn.ReLU(), nn.Linear(128, 128)]
+    return nn.Sequential(*layers, nn.ReLU(), nn.Linear(128, 4))
+
+
+def _train(model: nn.Module, steps: int, scoped: bool) -> list[float]:
+    torch.manual_seed(1)
+    data = [(torch.randn(16, 128), torch.randint(0, 4, (16,))) for _ in range(3)]
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    losses = []
+    for step in range(steps):
+        x, y = data[step % len(data)]
+        if scoped:
+            with ts.scope():
+                loss = nn.functional.cross_entropy(model(x), y)
+                opt.zero_grad()
+                loss.backward()
+                opt.step()
+                losses.append(loss.item())
+        else:
+            loss = nn.functional.cross_entropy(model(x), y)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            losses.append(loss.item())
+    return losses
+
+
+@pytest.mark.parametrize("policy", ["flow", "genoa"])
+def test_training_at_a_third_of_params_grads_and_state_is_bit_identical(policy: str) -> None:
+    expected = _train(_mlp(), 4, scoped=False)
+    model = _mlp()
+    state_bytes = 4 * sum(p.numel() * p.element_size() for p in model.parameters())
+    budget = state_bytes // 3
+    ts.residency.configure(policy=policy, budget=budget)
+    handle = ts.manage(model)
+    losses = _train(model, 4, scoped=True)
+    rep = ts.residency.report()
+    assert losses == expected
+    assert rep.peak_bytes <= budget
+    assert rep.tiers["disk"].placements > 0  # parameters, grads or Adam state were demoted
+    reference = _mlp()
+    _train(reference, 4, scoped=False)
+    handle.remove()
+    for ours, theirs in zip(model.parameters(), reference.parameters(), strict=True):
+        assert type(ours) is nn.Parameter and torch.equal(ours, theirs)
+    assert ts.residency.managed_count() == 0
+    assert torch._C._len_torch_dispatch_stack() == 0
+
+
+def test_grads_and_optimizer_state_of_managed_parameters_are_managed() -> None:
+    model = _mlp()
+    ts.residency.configure(policy="genoa", budget="1MiB")
+    handle = ts.manage(model)
+    _train(model, 2, scoped=True)
+    opt_state_tiers = {ts.residency.tier_of(p) for p in model.parameters()}
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    assert grads and all(ts.residency.placement_of(g) is not None for g in grads)
+    assert opt_state_tiers == {"disk"}  # Genoa leaves nothing on the device
+    handle.remove()
+    assert all(ts.residency.placement_of(g) is None for g in grads)
+
+
+def test_activations_in_a_scope_are_managed_and_demoted_under_pressure() -> None:
+    model = _mlp()
+    ts.residency.configure(policy="flow", budget=None)
+    handle = ts.manage(model)
+    with ts.scope():
+        h = model[0](torch.randn(64, 128))
+        assert ts.residency.placement_of(h) is not None  # an activation of a managed op
+        h.demote()
+        assert h.tier == "disk"
+        h.sum().backward()
+        assert model[0].weight.grad is not None
+    handle.remove()

@@ -1,0 +1,121 @@
+"""Pure decision code: Genoa, Flow, and the step recorder (no tensors involved)."""
+
+from __future__ import annotations
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from tensorscope.graph import NextUse, Recorder, next_use_table
+from tensorscope.policies import Action, Entry, Flow, Genoa, OpView, Snapshot
+
+
+def _entry(
+    key: int, nbytes: int, next_use: int | None, last_use: int = 0, busy: bool = False
+) -> Entry:
+    return Entry(key, nbytes, "device", last_use, next_use, busy)
+
+
+def test_genoa_demotes_operands_and_results_once_each() -> None:
+    actions = Genoa().after_op(OpView("add", operands=(1, 2, 1), results=(3,)))
+    assert actions == [Action("demote", 1), Action("demote", 2), Action("demote", 3)]
+
+
+def test_genoa_evicts_least_recently_used_and_never_busy_entries() -> None:
+    snap = Snapshot(
+        100,
+        100,
+        9,
+        (_entry(1, 40, None, 5), _entry(2, 40, None, 1), _entry(3, 40, None, 0, busy=True)),
+    )
+    assert Genoa().evict(snap, 30) == [2]
+    assert Genoa().evict(snap, 60) == [2, 1]
+
+
+def test_flow_evicts_farthest_next_use_first_unknown_counting_as_never() -> None:
+    snap = Snapshot(
+        100,
+        100,
+        9,
+        (_entry(1, 30, 12), _entry(2, 30, None), _entry(3, 30, 40), _entry(4, 30, 11, busy=True)),
+    )
+    assert Flow().evict(snap, 50) == [2, 3]
+
+
+def test_flow_prefetches_into_headroom_then_only_past_farther_entries() -> None:
+    resident = (_entry(1, 40, 50), _entry(2, 40, 3))
+    upcoming = (
+        Entry(7, 20, "disk", 0, 2, False),
+        Entry(8, 40, "disk", 0, 4, False),
+        Entry(9, 40, "disk", 0, 60, False),
+    )
+    snap = Snapshot(100, 80, 1, resident, upcoming)
+    actions = Flow().after_op(OpView("mm", (), (), snap))
+    # 7 fits the 20 free bytes; 8 needs 40: evict 1 (next use 50 > 4), not 2 (3 < 4);
+    # 9 (next use 60) is needed later than anything resident: not prefetched.
+    assert actions == [Action("prefetch", 7), Action("demote", 1), Action("prefetch", 8)]
+
+
+def test_flow_without_a_prediction_does_nothing_after_ops() -> None:
+    assert Flow().after_op(OpView("mm", (1,), (2,), Snapshot(10, 0, 0, ()))) == []
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    st.lists(
+        st.tuples(st.integers(1, 64), st.one_of(st.none(), st.integers(0, 100)), st.booleans()),
+        min_size=1,
+        max_size=12,
+    ),
+    st.integers(1, 256),
+)
+def test_evictions_free_enough_when_possible_and_never_touch_busy(
+    raw: list[tuple[int, int | None, bool]], needed: int
+) -> None:
+    entries = tuple(_entry(i, n, nu, busy=b) for i, (n, nu, b) in enumerate(raw))
+    snap = Snapshot(None, sum(e.nbytes for e in entries), 0, entries)
+    idle = sum(e.nbytes for e in entries if not e.busy)
+    for policy in (Flow(), Genoa()):
+        chosen = policy.evict(snap, needed)
+        assert len(set(chosen)) == len(chosen)
+        by_key = {e.key: e for e in entries}
+        assert all(not by_key[k].busy for k in chosen)
+        freed = sum(by_key[k].nbytes for k in chosen)
+        assert freed >= min(needed, idle)
+
+
+def test_next_use_table_and_lookups() -> None:
+    ops = [("w1", "x"), ("w2",), ("w1",), ()]
+    assert next_use_table(ops) == {"w1": [0, 2], "x": [0], "w2": [1]}
+    nu = NextUse(ops)
+    assert (nu.after("w1", -1), nu.after("w1", 0), nu.after("w1", 2)) == (0, 2, None)
+    assert nu.upcoming(0, 10) == ["w2", "w1"]
+
+
+def test_recorder_detects_repeated_iterations_and_predicts_next_uses() -> None:
+    recorder = Recorder()
+    iteration = [
+        ("embed", ("wte",)),
+        ("mm", ("w1",)),
+        ("mm", ("w2",)),
+        ("mm", ("wte",)),
+        ("add", ()),
+    ]
+    for name, keys in iteration:
+        recorder.record(name, keys)
+    assert not recorder.predicting
+    recorder.record(*iteration[0])  # the start comes again: a new iteration, predicted
+    assert recorder.iterations == 1 and recorder.predicting
+    assert recorder.next_use("w2") == 2 and recorder.next_use("wte") == 3
+    assert recorder.upcoming(2) == ["w1", "w2"]
+
+
+def test_recorder_stops_predicting_when_the_step_diverges_and_recovers() -> None:
+    recorder = Recorder()
+    for _ in range(2):
+        for name, keys in [("a", ("k",)), ("b", ()), ("c", ()), ("d", ())]:
+            recorder.record(name, keys)
+    assert recorder.predicting
+    recorder.record("zzz", ())  # not what the last iteration did next
+    assert not recorder.predicting and recorder.next_use("k") is None
+    recorder.boundary()  # an explicit boundary (an optimizer step) starts afresh
+    assert recorder.predicting
