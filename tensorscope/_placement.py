@@ -17,7 +17,7 @@ from collections.abc import Hashable
 
 import torch
 
-from tensorscope._torch import new_storage, storage_use_count
+from tensorscope._torch import cuda_event, new_storage, storage_use_count
 from tensorscope.errors import ResidencyError, ResidencyWarning
 from tensorscope.tiers import (
     DeviceTier,
@@ -64,7 +64,8 @@ class Placement:
         self.role: Hashable = self.uid if role is None else role  # identity across iterations
         self.group = group  # uid of the parameter this belongs to (its grad, optimizer state)
         self.last_use = -1
-        self.pending: threading.Event | None = None  # a prefetch in flight
+        # A prefetch in flight: a thread's Event (CPU) or a CUDA event on the copy stream.
+        self.pending: threading.Event | torch.cuda.Event | None = None
         self.written = False
 
     def alive_elsewhere(self) -> bool:
@@ -72,11 +73,19 @@ class Placement:
         return storage_use_count(self.key) > 1
 
     def wait(self) -> None:
-        """Block until a prefetch of this placement (if any) has landed."""
+        """Block until a prefetch of this placement (if any) has landed.
+
+        For a CUDA copy this makes the current stream wait for the copy stream, without
+        blocking the host.
+        """
         pending = self.pending
-        if pending is not None:
+        if pending is None:
+            return
+        if isinstance(pending, threading.Event):
             pending.wait()
-            self.pending = None
+        else:
+            torch.cuda.current_stream().wait_event(pending)
+        self.pending = None
 
     def __repr__(self) -> str:
         return f"<Placement #{self.uid} {self.nbytes} B on {self.tier}>"
@@ -90,10 +99,17 @@ class Movers:
     every move copies and swaps (device memory goes back to the caching allocator).
     """
 
-    def __init__(self, device: DeviceTier, host: HostTier | None, disk: DiskTier) -> None:
+    def __init__(
+        self,
+        device: DeviceTier,
+        host: HostTier | None,
+        disk: DiskTier,
+        copy_stream: torch.cuda.Stream | None = None,
+    ) -> None:
         self.device = device
         self.host = host
         self.disk = disk
+        self.copy_stream = copy_stream  # CUDA prefetches run here, overlapping compute
 
     # ------------------------------------------------------------------------------ demote
     def demote(self, placement: Placement, target: TierName) -> float:
@@ -166,13 +182,24 @@ class Movers:
             assert region is not None  # a CPU placement off the device always has a region
             region.populate(placement.storage.data_ptr(), write=placement.written)
         else:
-            fresh = self.device.allocate(placement.nbytes)
             if placement.tier == "host" and placement.host is not None:
                 source = placement.host
             else:
                 assert placement.region is not None
                 source = placement.region.storage()
-            fresh.copy_(source, non_blocking=background)
+            stream = self.copy_stream if background else None
+            if stream is None:
+                fresh = self.device.allocate(placement.nbytes)
+                fresh.copy_(source)
+            else:
+                # The copy is queued on the side stream; ops wait on its event (Placement.wait).
+                stream.wait_stream(torch.cuda.current_stream(self.device.device))
+                with torch.cuda.stream(stream):
+                    fresh = self.device.allocate(placement.nbytes)
+                    fresh.copy_(source, non_blocking=True)
+                    event = cuda_event()
+                    event.record(stream)
+                placement.pending = event
             swap_in(placement.storage, fresh)
             placement.host = None
         placement.tier = "device"

@@ -11,6 +11,8 @@ from typing import Any
 import torch
 
 __all__ = [
+    "cuda_event",
+    "cuda_stream",
     "new_storage",
     "plain_repr",
     "storage_address",
@@ -50,3 +52,15 @@ def swap_data_ptr(storage: torch.UntypedStorage, other: torch.UntypedStorage) ->
 def plain_repr(tensor: torch.Tensor) -> str:
     """``repr`` of a tensor as torch prints a plain ``torch.Tensor``."""
     return str(_tensor_repr(tensor))
+
+
+def cuda_stream(device: torch.device) -> torch.cuda.Stream:
+    """A new CUDA stream on ``device`` (for copies that overlap compute)."""
+    stream: torch.cuda.Stream = torch.cuda.Stream(device)  # type: ignore[no-untyped-call]
+    return stream
+
+
+def cuda_event() -> torch.cuda.Event:
+    """A new CUDA event (recorded after a copy; waited on before its data is used)."""
+    event: torch.cuda.Event = torch.cuda.Event()  # type: ignore[no-untyped-call]
+    return event

@@ -73,7 +73,17 @@ class ManagedModule:
         self._removed = False
 
     def _add(self, tensor: torch.Tensor, role: str) -> None:
-        placement = self._manager.register(tensor, role=role)
+        manager = self._manager
+        if manager.placement_of(tensor) is None:
+            # Make room first: the accounted peak stays within the budget from the start
+            # (demoting what was registered before this tensor).
+            with manager._lock:
+                nbytes = tensor.untyped_storage().nbytes()
+                if manager.budget_bytes is not None and nbytes <= manager.budget_bytes:
+                    manager._make_room(nbytes, "ts.manage()")
+        placement = manager.register(tensor, role=role)
+        if manager.budget_bytes is not None and placement.nbytes > manager.budget_bytes:
+            manager._demote(placement)  # larger than the whole budget: it lives below
         self._groups.add(placement.uid)
         original = type(tensor)
         if original is nn.Parameter:

@@ -30,7 +30,7 @@ import torch
 
 from tensorscope._placement import Movers, Placement
 from tensorscope._state import DISPOSAL_LISTENERS, STORAGE_HOLDERS
-from tensorscope._torch import storage_address
+from tensorscope._torch import cuda_stream, storage_address
 from tensorscope._units import format_bytes, parse_bytes
 from tensorscope.errors import (
     ArgumentTypeError,
@@ -228,6 +228,7 @@ class ResidencyManager:
         self.recorder = Recorder()
         self._meta_cache: dict[Hashable, int] = {}
         self._prefetcher: _Prefetcher | None = None
+        self._copy_stream: torch.cuda.Stream | None = None
         self._busy: set[int] = set()
         self._threads: dict[int, ThreadData] = {}
         self._handles: weakref.WeakSet[Any] = weakref.WeakSet()  # live ts.manage() handles
@@ -258,6 +259,8 @@ class ResidencyManager:
             new_budget = self._budget if budget is _UNSET else _parse_budget(budget)
             new_policy = self._policy if policy is _UNSET else _make_policy(policy)
             new_device = self._device if device is _UNSET else self._parse_device(device)
+            if new_device != self._device:
+                self._copy_stream = None
             if new_device != self._device and self._placements:
                 raise ResidencyError(
                     f"tensorscope.residency: cannot move {len(self._placements)} managed tensors "
@@ -473,9 +476,12 @@ class ResidencyManager:
     def _movers(self) -> Movers:
         if self._disk is None:
             self._disk = DiskTier(self._offload_dir)
-        if self._device.type == "cuda" and self._host is None:
-            self._host = HostTier()
-        return Movers(DeviceTier(self._device), self._host, self._disk)
+        if self._device.type == "cuda":
+            if self._host is None:
+                self._host = HostTier()
+            if self._copy_stream is None:
+                self._copy_stream = cuda_stream(self._device)
+        return Movers(DeviceTier(self._device), self._host, self._disk, self._copy_stream)
 
     def _lower(self, tier: str) -> TierName:
         tiers = self.tiers
@@ -516,11 +522,21 @@ class ResidencyManager:
         self._count_transfer(placement.nbytes, seconds)
 
     def _prefetch(self, placement: Placement) -> None:
-        """Account a placement as resident now and map its pages on the prefetch thread."""
-        if placement.tier != "disk" or self._device.type != "cpu":
+        """Account a placement as resident now; its bytes arrive in the background (pages
+        mapped by the prefetch thread on a CPU device, a copy stream on CUDA)."""
+        movers = self._movers()
+        if self._device.type == "cuda":
+            movers.check_readable(placement)
+            source = placement.tier
+            seconds = movers.promote(placement, background=True)
+            self._account(source, -placement.nbytes)
+            self._account("device", placement.nbytes)
+            self._count_transfer(placement.nbytes, seconds)
+            self._prefetched += 1
+            return
+        if placement.tier != "disk":
             self._promote(placement)
             return
-        movers = self._movers()
         movers.check_readable(placement)
         if self._prefetcher is None:
             self._prefetcher = _Prefetcher()
