@@ -121,8 +121,8 @@ def _make_policy(policy: object) -> Policy:
                 "tensorscope.policies.Policy)."
             )
         return named()
-    if isinstance(policy, Policy):
-        return policy
+    if callable(getattr(policy, "evict", None)) and callable(getattr(policy, "after_op", None)):
+        return policy  # type: ignore[return-value]
     raise ArgumentTypeError(
         f"tensorscope.residency: policy must be 'flow', 'genoa' or a Policy object; got "
         f"{type(policy).__name__}."
@@ -730,7 +730,8 @@ class ResidencyManager:
                 if budget is not None and self._bytes["device"] > budget:
                     self._make_room(0, f"op {func} (results)")  # estimate was short
                 policy = self._policy
-                snapshot = self._snapshot(upcoming=True) if policy.wants_snapshot_after_op else None
+                wants = getattr(policy, "wants_snapshot_after_op", True)
+                snapshot = self._snapshot(upcoming=True) if wants else None
                 view = OpView(
                     str(func),
                     tuple(p.uid for p in operands),

@@ -119,3 +119,43 @@ def test_recorder_stops_predicting_when_the_step_diverges_and_recovers() -> None
     assert not recorder.predicting and recorder.next_use("k") is None
     recorder.boundary()  # an explicit boundary (an optimizer step) starts afresh
     assert recorder.predicting
+
+
+def test_a_users_own_policy_object_drives_the_manager() -> None:
+    import torch
+
+    import tensorscope as ts
+
+    class KeepNothing:
+        """Demotes every operand and result after each op, like Genoa, written by a user."""
+
+        def __init__(self) -> None:
+            self.ops: list[str] = []
+
+        def evict(self, snapshot: Snapshot, needed_bytes: int) -> list[int]:
+            return [e.key for e in snapshot.entries if not e.busy]
+
+        def after_op(self, op: OpView) -> list[Action]:
+            self.ops.append(op.name)
+            return [Action("demote", key) for key in (*op.operands, *op.results)]
+
+    mine = KeepNothing()
+    ts.residency.configure(policy=mine, budget="1MiB")
+    t = ts.ref(torch.ones(1024))
+    t.demote()
+    with ts.scope():
+        u = t * 3
+        assert t.tier == "disk" and u.tier == "disk"
+        assert u.sum().item() == 3072
+    assert mine.ops and "aten.mul.Tensor" in mine.ops[0]
+
+
+def test_a_policy_must_have_evict_and_after_op() -> None:
+    import pytest
+
+    import tensorscope as ts
+
+    with pytest.raises(ts.ArgumentTypeError, match="Policy object"):
+        ts.residency.configure(policy=object())  # type: ignore[arg-type]
+    with pytest.raises(ts.InvalidArgumentError, match="unknown policy"):
+        ts.residency.configure(policy="lru")
