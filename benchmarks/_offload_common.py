@@ -1,0 +1,362 @@
+"""Shared helpers of the offload benchmarks (``offload_inference.py``, ``offload_training.py``).
+
+Each variant of a benchmark runs in a fresh subprocess (the same script with ``--worker``), so
+the allocator state, the page cache mappings and the RSS of one variant never flatter another.
+A worker prints one result line, ``RESULT_MARKER`` followed by JSON, on stdout; its stderr (the
+residency report, warnings) passes straight through to the parent's stderr.
+
+The scripts are run as files (``python benchmarks/offload_inference.py``): ``sys.path[0]`` is
+then ``benchmarks/``, so this module imports by name and ``tensorscope`` resolves to the
+installed (editable) package, not to a checkout in the current directory.
+"""
+
+from __future__ import annotations
+
+import os
+
+# Never reach a hub: every model is built from a config with random weights.
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import gc
+import hashlib
+import json
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from types import TracebackType
+from typing import Any
+
+MiB = 1 << 20
+GiB = 1 << 30
+RESULT_MARKER = "@@offload-bench-result@@ "
+
+
+# --------------------------------------------------------------------------- memory
+
+
+def _process() -> Any:
+    import psutil
+
+    return psutil.Process()
+
+
+def rss_bytes() -> int:
+    """Resident set size of this process, in bytes."""
+    return int(_process().memory_info().rss)
+
+
+def rss_and_anon() -> tuple[int, int]:
+    """(RSS, RSS - shared) of this process in bytes; "shared" counts file-backed pages."""
+    info = _process().memory_info()
+    return int(info.rss), int(info.rss) - int(getattr(info, "shared", 0))
+
+
+def rss_breakdown() -> dict[str, int]:
+    """``RssAnon`` / ``RssFile`` / ``RssShmem`` of this process in bytes (Linux; {} elsewhere)."""
+    out: dict[str, int] = {}
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(("RssAnon:", "RssFile:", "RssShmem:")):
+                    key, value, _unit = line.split()
+                    out[key.rstrip(":")] = int(value) * 1024
+    except OSError:
+        pass
+    return out
+
+
+def warm_up_runtime() -> None:
+    """Run one small matmul and one elementwise op before a baseline is taken.
+
+    The first compute of a process starts the OpenMP threads and initialises MKL/oneDNN (tens of
+    MiB of stacks and scratch). Every variant pays it, it does not depend on the model, so it
+    belongs to the baseline, not to the variant's memory.
+    """
+    import torch
+
+    a = torch.randn(256, 1024)
+    (a @ torch.randn(1024, 1024)).tanh_().sum().item()
+
+
+def settle_memory() -> None:
+    """Collect garbage so a baseline is not inflated by objects that are already dead."""
+    gc.collect()
+    gc.collect()
+
+
+class PeakSampler:
+    """Sample this process's RSS every ``interval_s`` on a background thread, while entered.
+
+    One sampler can be entered many times (once per forward or step): the peaks accumulate, so
+    the result is the peak over the measured windows only, not over the work in between.
+    Besides the total RSS it tracks the peak of ``rss - shared`` (anonymous memory: tensors
+    allocated with malloc), since file-backed pages of a mapping count in RSS too.
+    """
+
+    def __init__(self, interval_s: float = 0.002) -> None:
+        self.interval_s = interval_s
+        self.peak_rss = 0
+        self.peak_anon = 0
+        self.samples = 0
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._proc = _process()
+
+    def sample(self) -> None:
+        info = self._proc.memory_info()
+        rss = int(info.rss)
+        anon = rss - int(getattr(info, "shared", 0))
+        self.samples += 1
+        if rss > self.peak_rss:
+            self.peak_rss = rss
+        if anon > self.peak_anon:
+            self.peak_anon = anon
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            self.sample()
+
+    def __enter__(self) -> PeakSampler:
+        self.sample()
+        self._stop.clear()
+        self._thread = threading.Thread(target=self._run, name="offload-bench-rss", daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        self.sample()
+
+
+# --------------------------------------------------------------------------- CPU contention
+# The machine is shared: other jobs steal cores and a timing means little without knowing how
+# much. Each measured window records the process's CPU seconds (all threads) and the system's
+# CPU pressure stall time (PSI "some": time at least one runnable task waited for a CPU).
+
+
+def cpu_pressure() -> tuple[float, float] | None:
+    """(avg10 in %, total stall in seconds) of /proc/pressure/cpu "some"; None if unavailable."""
+    try:
+        with open("/proc/pressure/cpu") as f:
+            line = f.readline()
+    except OSError:
+        return None
+    fields = dict(item.split("=") for item in line.split()[1:])
+    return float(fields["avg10"]), int(fields["total"]) / 1e6
+
+
+class Window:
+    """Wall seconds, process CPU seconds and system CPU stall seconds of a measured block."""
+
+    def __init__(self) -> None:
+        self.wall = self.cpu = self.stall = 0.0
+
+    def __enter__(self) -> Window:
+        self._p0 = cpu_pressure()
+        self._c0 = time.process_time()
+        self._w0 = time.perf_counter()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.wall = time.perf_counter() - self._w0
+        self.cpu = time.process_time() - self._c0
+        p1 = cpu_pressure()
+        if self._p0 is not None and p1 is not None:
+            self.stall = p1[1] - self._p0[1]
+
+
+def wait_for_quiet(max_wait_s: float, threshold_pct: float = 10.0) -> float | None:
+    """Wait up to ``max_wait_s`` until CPU pressure avg10 < threshold; returns the last avg10."""
+    deadline = time.monotonic() + max_wait_s
+    while True:
+        p = cpu_pressure()
+        if p is None or p[0] < threshold_pct or time.monotonic() >= deadline:
+            return None if p is None else p[0]
+        time.sleep(1.0)
+
+
+# --------------------------------------------------------------------------- tensors
+
+
+def unique_tensors(module: Any) -> list[tuple[str, Any]]:
+    """(name, tensor) of the module's parameters and buffers, each storage once (tied weights)."""
+    seen: set[int] = set()
+    out: list[tuple[str, Any]] = []
+    named = list(module.named_parameters(remove_duplicate=False))
+    named += list(module.named_buffers(remove_duplicate=False))
+    for name, t in named:
+        key = id(t)
+        if key in seen:
+            continue
+        seen.add(key)
+        out.append((name, t))
+    return out
+
+
+def tensor_bytes(module: Any) -> int:
+    """Bytes of the module's parameters and buffers (tied tensors counted once)."""
+    return sum(t.numel() * t.element_size() for _, t in unique_tensors(module))
+
+
+def state_checksum(module: Any) -> str:
+    """blake2b over names, dtypes, shapes and bytes of the state dict, in key order."""
+    import torch
+
+    h = hashlib.blake2b(digest_size=16)
+    with torch.no_grad():
+        for name, t in module.state_dict(keep_vars=False).items():
+            plain = t.detach()
+            if plain.device.type == "meta":
+                raise RuntimeError(f"state_checksum: {name} is on the meta device")
+            # A tensor subclass (a managed ref) may not export its buffer: hash its plain target.
+            if type(plain) is not torch.Tensor:
+                plain = getattr(plain, "target", plain).as_subclass(torch.Tensor)
+            plain = plain.cpu().contiguous()
+            h.update(f"{name}|{plain.dtype}|{tuple(plain.shape)}|".encode())
+            h.update(plain.view(torch.uint8).reshape(-1).numpy().data)
+    return h.hexdigest()
+
+
+# --------------------------------------------------------------------------- tensorscope
+
+
+def tensorscope_status() -> tuple[bool, str]:
+    """(whether ``ts.manage`` / ``ts.residency`` exist, a line saying which tensorscope)."""
+    try:
+        import tensorscope as ts
+    except Exception as exc:  # pragma: no cover - depends on the environment
+        return False, f"tensorscope not importable: {exc!r}"
+    where = getattr(ts, "__file__", "?")
+    version = getattr(ts, "__version__", "?")
+    has = hasattr(ts, "manage") and hasattr(ts, "residency")
+    return has, f"tensorscope {version} from {where}"
+
+
+TENSORSCOPE_MISSING = (
+    "skipped: this tensorscope has no ts.manage / ts.residency yet (API.md §4 not implemented); "
+    "the variant runs as soon as they exist"
+)
+
+
+def residency_summary(rep: Any) -> dict[str, Any]:
+    """The numbers of ``ts.residency.report()`` the benchmarks print, read defensively."""
+    out: dict[str, Any] = {}
+    tiers = getattr(rep, "tiers", None)
+    if tiers is not None:
+        for tier_name in ("device", "host", "disk"):
+            try:
+                tier = tiers[tier_name]
+            except (KeyError, IndexError, TypeError):
+                continue
+            for attr in ("resident_bytes", "peak_bytes"):
+                value = getattr(tier, attr, None)
+                if value is not None:
+                    out[f"{tier_name}_{attr}"] = int(value)
+    transfers = getattr(rep, "transfers", None)
+    if transfers is not None:
+        for attr in ("count", "bytes", "seconds"):
+            value = getattr(transfers, attr, None)
+            if value is None and isinstance(transfers, dict):
+                value = transfers.get(attr)
+            if value is not None:
+                out[f"transfers_{attr}"] = value
+    return out
+
+
+# --------------------------------------------------------------------------- subprocesses
+
+
+@dataclass
+class WorkerRun:
+    ok: bool
+    result: dict[str, Any] = field(default_factory=dict)
+    error: str = ""
+    wall_s: float = 0.0
+
+
+def emit_result(result: dict[str, Any]) -> None:
+    """Called in the worker: the one line the parent parses."""
+    sys.stdout.write(RESULT_MARKER + json.dumps(result) + "\n")
+    sys.stdout.flush()
+
+
+def run_worker(script: str, config: dict[str, Any], timeout_s: float) -> WorkerRun:
+    """Run ``python script --worker JSON`` in a fresh process; parse its result line."""
+    cmd = [sys.executable, script, "--worker", json.dumps(config)]
+    start = time.perf_counter()
+    try:
+        done = subprocess.run(
+            cmd, stdout=subprocess.PIPE, stderr=None, text=True, timeout=timeout_s, check=False
+        )
+    except subprocess.TimeoutExpired:
+        return WorkerRun(False, error=f"timed out after {timeout_s:.0f} s", wall_s=timeout_s)
+    wall = time.perf_counter() - start
+    result: dict[str, Any] | None = None
+    for line in done.stdout.splitlines():
+        if line.startswith(RESULT_MARKER):
+            result = json.loads(line[len(RESULT_MARKER) :])
+    if result is not None and (result.get("error") or result.get("skipped")):
+        return WorkerRun(False, result=result, error=str(result.get("error", "")), wall_s=wall)
+    if done.returncode != 0 or result is None:
+        tail = "\n".join(done.stdout.splitlines()[-5:])
+        error = f"exit status {done.returncode} (traceback above, on stderr); stdout tail: {tail}"
+        return WorkerRun(False, error=error, wall_s=wall)
+    return WorkerRun(True, result=result, wall_s=wall)
+
+
+def round_orders(variants: Sequence[str], rounds: int) -> list[list[str]]:
+    """Variant order per round, rotated every round so no variant always runs first or last."""
+    n = len(variants)
+    return [[variants[(i + r) % n] for i in range(n)] for r in range(rounds)] if n else []
+
+
+def parse_variants(text: str, known: Iterable[str]) -> list[str]:
+    known = list(known)
+    chosen = [v.strip().lower() for v in text.split(",") if v.strip()]
+    unknown = [v for v in chosen if v not in known]
+    if unknown:
+        raise SystemExit(f"unknown variant(s) {unknown}; choose from {known}")
+    return list(dict.fromkeys(chosen))
+
+
+def median(values: Sequence[float]) -> float:
+    return statistics.median(values) if values else float("nan")
+
+
+def fmt_mib(n: float | None) -> str:
+    return "-" if n is None else f"{n / MiB:.0f}"
+
+
+def print_table(columns: Sequence[tuple[str, str]], rows: Sequence[Sequence[str]]) -> None:
+    """Columns as (title, unit line); the first column left-aligned, the others right-aligned."""
+    widths = [
+        max(len(title), len(unit), *(len(row[i]) for row in rows if i < len(row))) + 2
+        for i, (title, unit) in enumerate(columns)
+    ]
+    widths[0] -= 2
+
+    def line(cells: Sequence[str]) -> str:
+        first, rest = cells[0], cells[1:]
+        return f"{first:<{widths[0]}}" + "".join(
+            f"{c:>{w}}" for c, w in zip(rest, widths[1:], strict=False)
+        )
+
+    print(line([t for t, _ in columns]))
+    print(line([u for _, u in columns]))
+    for row in rows:
+        print(line(row) if len(row) == len(columns) else f"{row[0]:<{widths[0]}}  {row[1]}")

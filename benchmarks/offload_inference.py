@@ -1,0 +1,454 @@
+"""Offloaded inference: plain vs accelerate's ``disk_offload`` vs tensorscope (Flow, Genoa).
+
+Model: a GPT-2-medium-shaped ``transformers.GPT2LMHeadModel`` built from a config with random
+weights (24 layers, d=1024, 16 heads, vocab 50257; 1354 MiB fp32), seed 0, ``.eval()``. Nothing is
+downloaded. Input: batch 1, ``--seq-len`` tokens (seed 1234), ``use_cache=False``, under
+``torch.no_grad()``.
+
+Variants (each in a fresh subprocess, so allocator state and page-cache mappings of one variant
+never flatter another):
+
+* ``plain``: the model as built.
+* ``accelerate``: ``accelerate.disk_offload(model, offload_dir, execution_device="cpu")`` (the peer
+  a user would pick): it writes the state dict to ``offload_dir`` as numpy memmaps, replaces the
+  weights by meta tensors, and per module copies the weights in before and drops them after.
+* ``flow`` / ``genoa``: ``ts.residency.configure(device="cpu", policy=..., budget=25% of the
+  weights)``, ``handle = ts.manage(model)``, the forwards, ``ts.residency.report()`` (to stderr),
+  ``handle.remove()``. Skipped with a message while tensorscope has no ``ts.manage``.
+
+Per variant: RSS is read before the model is built (the baseline); the weights' checksum must be
+the same in every variant; W warm-up + N timed forwards run with RSS sampled every 2 ms on a
+background thread during the forwards only; the logits of the first forward are saved and compared
+with plain's (``torch.allclose(atol=1e-4, rtol=1e-4)``). With ``--rounds R`` every variant runs R
+times, in an order rotated every round; times are the median over all timed forwards, peaks the
+maximum over rounds.
+
+Targets (issue): tensorscope's peak RSS above the baseline ≤ budget + activations (≈ 25-30% of the
+weights), logits allclose to plain, Flow ≤ 1.3x plain's time per forward. Missed targets are
+reported, not fatal: the exit status is non-zero only on errors.
+
+Run: ``python benchmarks/offload_inference.py`` (``--quick`` for 1 warm-up + 1 timed forward, one
+round; ``--variants plain,accelerate`` to choose).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+import _offload_common as common  # sets HF_HUB_OFFLINE / TRANSFORMERS_OFFLINE on import
+
+VARIANTS = ("plain", "accelerate", "flow", "genoa")
+TENSORSCOPE_VARIANTS = ("flow", "genoa")
+MODEL_CONFIG = {
+    "n_layer": 24,
+    "n_embd": 1024,
+    "n_head": 16,
+    "vocab_size": 50257,
+    "n_positions": 1024,
+}
+MODEL_SEED = 0
+INPUT_SEED = 1234
+BUDGET_FRACTION = 0.25
+# Targets from the issue.
+RSS_TARGET_FRACTION = 0.30  # budget (25%) + activations
+FLOW_TIME_TARGET = 1.3
+ATOL = RTOL = 1e-4
+
+
+# --------------------------------------------------------------------------- worker
+
+
+def _build_model() -> Any:
+    import torch
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(MODEL_SEED)
+    return GPT2LMHeadModel(GPT2Config(**MODEL_CONFIG)).eval()
+
+
+def worker(cfg: dict[str, Any]) -> dict[str, Any]:
+    import torch
+
+    torch.set_num_threads(cfg["threads"])
+    # Everything is imported before the baseline (transformers imports its GPT-2 modules lazily:
+    # ~100 MiB that would otherwise count as the variant's memory).
+    from transformers import GPT2Config, GPT2LMHeadModel  # noqa: F401
+
+    variant = cfg["variant"]
+    ts: Any = None
+    if variant == "accelerate":
+        from accelerate import disk_offload
+    if variant in TENSORSCOPE_VARIANTS:
+        import tensorscope as ts
+
+        if not (hasattr(ts, "manage") and hasattr(ts, "residency")):
+            return {"variant": variant, "skipped": common.TENSORSCOPE_MISSING}
+
+    gen = torch.Generator().manual_seed(INPUT_SEED)
+    input_ids = torch.randint(0, MODEL_CONFIG["vocab_size"], (1, cfg["seq_len"]), generator=gen)
+
+    common.warm_up_runtime()
+    common.settle_memory()
+    baseline, baseline_anon = common.rss_and_anon()
+    start = time.perf_counter()
+    model = _build_model()
+    build_s = time.perf_counter() - start
+    weight_bytes = common.tensor_bytes(model)
+    checksum = common.state_checksum(model)
+    common.settle_memory()
+    rss_built = common.rss_bytes()
+
+    out: dict[str, Any] = {"variant": variant, "weight_bytes": weight_bytes}
+    offload_dir: str | None = None
+    handle: Any = None
+    budget = int(BUDGET_FRACTION * weight_bytes)
+    start = time.perf_counter()
+    if variant == "accelerate":
+        offload_dir = tempfile.mkdtemp(prefix="offload-bench-accelerate-")
+        disk_offload(model, offload_dir, execution_device="cpu")
+    elif ts is not None:
+        ts.residency.configure(device="cpu", policy=variant, budget=budget, offload_dir=None)
+        handle = ts.manage(model)
+        out["budget_bytes"] = budget
+        # Peaks and transfers of manage() itself, then restart them for the forwards.
+        rep = ts.residency.report(reset=True)
+        print(f"--- ts.residency.report() [{variant}] after manage ---\n{rep}", file=sys.stderr)
+        out["residency_setup"] = common.residency_summary(rep)
+    setup_s = time.perf_counter() - start
+    common.settle_memory()
+    rss_setup = common.rss_bytes()
+    setup_breakdown = common.rss_breakdown()
+
+    times: list[float] = []
+    cpu: list[float] = []
+    stall: list[float] = []
+    peaks: list[int] = []
+    anon_peaks: list[int] = []
+    try:
+        with torch.no_grad():
+            for i in range(cfg["warmup"] + cfg["forwards"]):
+                sampler = common.PeakSampler(interval_s=0.002)
+                with sampler, common.Window() as window:
+                    logits = model(input_ids=input_ids, use_cache=False).logits
+                peaks.append(sampler.peak_rss - baseline)
+                anon_peaks.append(sampler.peak_anon)
+                if i == 0:
+                    torch.save(logits.detach().clone(), cfg["logits_path"])
+                del logits
+                if i >= cfg["warmup"]:
+                    times.append(window.wall)
+                    cpu.append(window.cpu)
+                    stall.append(window.stall)
+        if ts is not None:
+            rep = ts.residency.report()
+            print(f"--- ts.residency.report() [{variant}] forwards ---\n{rep}", file=sys.stderr)
+            out["residency"] = common.residency_summary(rep)
+            handle.remove()
+            handle = None
+            out["checksum_after_remove"] = common.state_checksum(model)
+    finally:
+        if offload_dir is not None:
+            shutil.rmtree(offload_dir, ignore_errors=True)
+
+    out.update(
+        {
+            "checksum": checksum,
+            "baseline_rss": baseline,
+            "build_s": build_s,
+            "setup_s": setup_s,
+            "built_above": rss_built - baseline,
+            "setup_above": rss_setup - baseline,
+            "setup_breakdown": setup_breakdown,
+            "times": times,
+            "cpu_s": cpu,
+            "stall_s": stall,
+            "peaks_above": peaks,
+            "anon_peaks_above": [a - baseline_anon for a in anon_peaks],
+            "torch": torch.__version__,
+            "threads": torch.get_num_threads(),
+        }
+    )
+    return out
+
+
+def _worker_main(raw: str) -> int:
+    cfg = json.loads(raw)
+    try:
+        result = worker(cfg)
+    except Exception as exc:
+        traceback.print_exc()
+        common.emit_result({"variant": cfg.get("variant"), "error": f"{type(exc).__name__}: {exc}"})
+        return 1
+    common.emit_result(result)
+    return 0
+
+
+# --------------------------------------------------------------------------- parent
+
+
+def _compare_logits(path: Path, ref: Any) -> tuple[float, bool]:
+    import torch
+
+    got = torch.load(path, weights_only=True)
+    if got.shape != ref.shape:
+        return float("inf"), False
+    diff = (got.double() - ref.double()).abs().max().item()
+    return diff, bool(torch.allclose(got, ref, atol=ATOL, rtol=RTOL))
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated subset")
+    parser.add_argument("--seq-len", type=int, default=128)
+    parser.add_argument("--forwards", type=int, default=3, help="timed forwards per run")
+    parser.add_argument("--warmup", type=int, default=1, help="untimed forwards first")
+    parser.add_argument("--rounds", type=int, default=2, help="runs per variant, interleaved")
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--quick", action="store_true", help="1 warm-up + 1 timed, one round")
+    parser.add_argument("--timeout", type=float, default=900, help="seconds per run")
+    parser.add_argument(
+        "--quiet-wait",
+        type=float,
+        default=0,
+        help="before each run wait up to this many seconds for CPU pressure avg10 < 10%%",
+    )
+    parser.add_argument("--worker", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker is not None:
+        return _worker_main(args.worker)
+    if args.quick:
+        args.warmup, args.forwards, args.rounds = 1, 1, 1
+    sys.stdout.reconfigure(line_buffering=True)  # type: ignore[union-attr]
+
+    import torch
+
+    wall_start = time.perf_counter()
+    variants = common.parse_variants(args.variants, VARIANTS)
+    has_ts, ts_line = common.tensorscope_status()
+    print(
+        f"offload inference: GPT2LMHeadModel {MODEL_CONFIG} random weights (seed {MODEL_SEED}), "
+        f"batch 1 x {args.seq_len} tokens, no_grad, use_cache=False"
+    )
+    print(
+        f"torch {torch.__version__}, {args.threads} threads; {ts_line}; "
+        f"{args.warmup} warm-up + {args.forwards} timed forwards x {args.rounds} round(s)"
+    )
+    skipped: dict[str, str] = {}
+    if not has_ts:
+        for v in TENSORSCOPE_VARIANTS:
+            if v in variants:
+                skipped[v] = common.TENSORSCOPE_MISSING
+                print(f"{v}: {common.TENSORSCOPE_MISSING}")
+    active = [v for v in variants if v not in skipped]
+
+    runs: dict[str, list[dict[str, Any]]] = {v: [] for v in active}
+    errors: list[str] = []
+    tmp = Path(tempfile.mkdtemp(prefix="offload-bench-logits-"))
+    try:
+        for r, order in enumerate(common.round_orders(active, args.rounds)):
+            for v in order:
+                cfg = {
+                    "variant": v,
+                    "seq_len": args.seq_len,
+                    "warmup": args.warmup,
+                    "forwards": args.forwards,
+                    "threads": args.threads,
+                    "logits_path": str(tmp / f"{v}-{r}.pt"),
+                }
+                if args.quiet_wait > 0:
+                    common.wait_for_quiet(args.quiet_wait)
+                run = common.run_worker(__file__, cfg, args.timeout)
+                if run.result.get("skipped"):
+                    skipped[v] = run.result["skipped"]
+                    print(f"  round {r + 1} {v:<10} {skipped[v]}", file=sys.stderr)
+                    continue
+                if not run.ok:
+                    errors.append(f"{v} (round {r + 1}): {run.error}")
+                    print(f"  round {r + 1} {v:<10} ERROR {run.error}", file=sys.stderr)
+                    continue
+                res = run.result
+                res["round"] = r
+                res["wall_s"] = run.wall_s
+                res["logits_path"] = cfg["logits_path"]
+                runs[v].append(res)
+                print(
+                    f"  round {r + 1} {v:<10} "
+                    f"{' '.join(f'{t:.2f}' for t in res['times'])} s/fwd, "
+                    f"peak +{max(res['peaks_above']) / common.MiB:.0f} MiB, "
+                    f"cpu {sum(res['cpu_s']) / sum(res['times']):.2f} cores, "
+                    f"stall {sum(res['stall_s']) / sum(res['times']):.0%}, "
+                    f"setup {res['setup_s']:.1f} s, process {run.wall_s:.0f} s",
+                    file=sys.stderr,
+                )
+        _report(runs, skipped, errors, args)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    print(f"total wall time {time.perf_counter() - wall_start:.0f} s")
+    if errors:
+        print("ERRORS:\n  " + "\n  ".join(errors))
+        return 1
+    return 0
+
+
+def _residency_line(summary: dict[str, Any], budget: float) -> str:
+    seconds = summary.get("transfers_seconds")
+    return (
+        f"device peak {common.fmt_mib(summary.get('device_peak_bytes'))} MiB "
+        f"(budget {budget / common.MiB:.0f}), {summary.get('transfers_count', '-')} moves, "
+        f"{common.fmt_mib(summary.get('transfers_bytes'))} MiB"
+        + ("" if seconds is None else f" in {seconds:.2f} s")
+        + " (last round)"
+    )
+
+
+def _report(
+    runs: dict[str, list[dict[str, Any]]],
+    skipped: dict[str, str],
+    errors: list[str],
+    args: argparse.Namespace,
+) -> None:
+    import torch
+
+    done = {v: rs for v, rs in runs.items() if rs}
+    if not done:
+        print("no variant ran")
+        return
+    weight_bytes = next(iter(done.values()))[0]["weight_bytes"]
+    checksums = {rs[i]["checksum"] for rs in done.values() for i in range(len(rs))}
+    if len(checksums) != 1:
+        errors.append(f"weights differ between runs (checksums {sorted(checksums)})")
+    for v, rs in done.items():
+        for res in rs:
+            after = res.get("checksum_after_remove")
+            if after is not None and after != res["checksum"]:
+                errors.append(f"{v}: weights changed by manage/forwards/remove")
+
+    ref = None
+    if "plain" in done:
+        ref = torch.load(done["plain"][0]["logits_path"], weights_only=True)
+    plain_s = common.median([t for res in done.get("plain", []) for t in res["times"]])
+
+    print()
+    print(
+        f"weights {weight_bytes / common.MiB:.0f} MiB; tensorscope budget "
+        f"{BUDGET_FRACTION:.0%} = {BUDGET_FRACTION * weight_bytes / common.MiB:.0f} MiB; "
+        f"RSS measured above the RSS before the model was built, during the forwards only"
+    )
+    columns = [
+        ("variant", ""),
+        ("s/fwd", "median"),
+        ("x plain", ""),
+        ("peak RSS", "+MiB"),
+        ("% wts", ""),
+        ("abs", "GiB"),
+        ("anon", "+MiB"),
+        ("1st fwd", "+MiB"),
+        ("setup", "+MiB"),
+        ("max|dlogits|", ""),
+        ("close", ""),
+        ("cores", ""),
+        ("stall", ""),
+    ]
+    rows: list[list[str]] = []
+    verdicts: list[str] = []
+    budget = BUDGET_FRACTION * weight_bytes
+    for v in VARIANTS:
+        if v in skipped and v not in done:
+            rows.append([v, skipped[v]])
+            continue
+        if v not in done:
+            continue
+        rs = done[v]
+        s = common.median([t for res in rs for t in res["times"]])
+        ratio = s / plain_s if plain_s == plain_s else float("nan")
+        peak = max(max(res["peaks_above"]) for res in rs)
+        anon = max(max(res["anon_peaks_above"]) for res in rs)
+        abs_peak = max(max(res["peaks_above"]) + res["baseline_rss"] for res in rs)
+        first = max(res["peaks_above"][0] for res in rs)
+        setup = max(res["setup_above"] for res in rs)
+        timed = sum(sum(res["times"]) for res in rs)
+        cores = sum(sum(res["cpu_s"]) for res in rs) / timed
+        stall = sum(sum(res["stall_s"]) for res in rs) / timed
+        if ref is not None:
+            diffs = [_compare_logits(Path(res["logits_path"]), ref) for res in rs]
+            dmax = max(d for d, _ in diffs)
+            close = all(c for _, c in diffs)
+            dtext, ctext = f"{dmax:.2e}", ("yes" if close else "NO")
+            if not close and v == "plain":
+                errors.append("plain's logits differ between rounds")
+        else:
+            dtext, ctext, close = "n/a", "n/a", True
+        rows.append(
+            [
+                v,
+                f"{s:.2f}",
+                f"{ratio:.2f}x",
+                f"{peak / common.MiB:.0f}",
+                f"{peak / weight_bytes:.0%}",
+                f"{abs_peak / common.GiB:.2f}",
+                f"{anon / common.MiB:.0f}",
+                f"{first / common.MiB:.0f}",
+                f"{setup / common.MiB:.0f}",
+                dtext,
+                ctext,
+                f"{cores:.2f}",
+                f"{stall:.0%}",
+            ]
+        )
+        if v in TENSORSCOPE_VARIANTS:
+            rss_ok = peak <= RSS_TARGET_FRACTION * weight_bytes
+            parts = [
+                f"peak RSS {peak / weight_bytes:.0%} of weights "
+                f"{'<=' if rss_ok else '>'} {RSS_TARGET_FRACTION:.0%}: "
+                f"{'met' if rss_ok else 'MISSED'}",
+                f"logits allclose: {'met' if close else 'MISSED'}",
+            ]
+            if v == "flow":
+                t_ok = ratio <= FLOW_TIME_TARGET
+                parts.append(
+                    f"time {ratio:.2f}x {'<=' if t_ok else '>'} {FLOW_TIME_TARGET}x plain: "
+                    f"{'met' if t_ok else 'MISSED'}"
+                )
+            verdicts.append(f"  {v}: " + "; ".join(parts))
+            for key, when in (("residency_setup", "manage()"), ("residency", "forwards")):
+                summary = rs[-1].get(key)
+                if summary:
+                    verdicts.append(f"    report, {when}: {_residency_line(summary, budget)}")
+    common.print_table(columns, rows)
+    baseline_mib = (
+        common.median([r["baseline_rss"] for rs in done.values() for r in rs]) / common.MiB
+    )
+    print(
+        "columns: peak RSS = max over forwards of sampled RSS - baseline; abs = the same RSS "
+        "without subtracting the baseline (torch + transformers imported: "
+        f"{baseline_mib:.0f} MiB); anon = same as peak RSS for "
+        "RSS - shared (malloc'd memory, no file pages); 1st fwd = peak of the first (warm-up) "
+        "forward; setup = RSS - baseline after building and offloading/managing; "
+        "cores = process CPU seconds / wall seconds of the timed forwards (2.00 = both threads "
+        "busy); stall = system CPU pressure (PSI some) during them: high stall = other jobs "
+        "took cores, timings noisy"
+    )
+    print(
+        f"targets (issue): tensorscope peak RSS <= budget + activations "
+        f"(~{BUDGET_FRACTION:.0%}-{RSS_TARGET_FRACTION:.0%} of weights = "
+        f"{RSS_TARGET_FRACTION * weight_bytes / common.MiB:.0f} MiB), logits allclose to plain "
+        f"(atol=rtol={ATOL:g}), Flow <= {FLOW_TIME_TARGET}x plain"
+    )
+    print(
+        "peer reference (issue, quiet machine): plain 0.9-1.2 s/fwd; accelerate disk_offload "
+        "1.4-1.9 s (~1.5x plain), peak RSS 1.1-1.37 GiB during the forwards"
+    )
+    for line in verdicts:
+        print(line)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
