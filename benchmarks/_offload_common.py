@@ -20,6 +20,7 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
+import argparse
 import gc
 import hashlib
 import json
@@ -28,7 +29,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from types import TracebackType
 from typing import Any
@@ -360,3 +361,103 @@ def print_table(columns: Sequence[tuple[str, str]], rows: Sequence[Sequence[str]
     print(line([u for _, u in columns]))
     for row in rows:
         print(line(row) if len(row) == len(columns) else f"{row[0]:<{widths[0]}}  {row[1]}")
+
+
+# --------------------------------------------------------------------------- parent side
+
+
+def add_common_args(parser: Any, variants: Sequence[str], rounds: int = 2) -> None:
+    """The options both benchmarks share."""
+    parser.add_argument("--variants", default=",".join(variants), help="comma-separated subset")
+    parser.add_argument("--rounds", type=int, default=rounds, help="runs per variant, interleaved")
+    parser.add_argument("--threads", type=int, default=2, help="torch threads in each run")
+    parser.add_argument("--timeout", type=float, default=900, help="seconds per run")
+    parser.add_argument(
+        "--quiet-wait",
+        type=float,
+        default=0,
+        help="before each run wait up to this many seconds for CPU pressure avg10 < 10%%",
+    )
+    parser.add_argument("--worker", help=argparse.SUPPRESS)
+
+
+def skip_missing_tensorscope(
+    variants: Sequence[str], tensorscope_variants: Sequence[str]
+) -> tuple[list[str], dict[str, str], str]:
+    """(variants to run, skipped variant -> why, a line saying which tensorscope is used)."""
+    has_ts, ts_line = tensorscope_status()
+    skipped: dict[str, str] = {}
+    if not has_ts:
+        skipped = {v: TENSORSCOPE_MISSING for v in variants if v in tensorscope_variants}
+    return [v for v in variants if v not in skipped], skipped, ts_line
+
+
+def run_rounds(
+    script: str,
+    active: Sequence[str],
+    args: Any,
+    make_cfg: Callable[[str, int], dict[str, Any]],
+    unit: str,
+    skipped: dict[str, str],
+    errors: list[str],
+) -> dict[str, list[dict[str, Any]]]:
+    """Run every variant ``args.rounds`` times, rotating the order; results per variant.
+
+    A worker result has at least ``times``, ``cpu_s``, ``stall_s`` (per timed forward/step),
+    ``peaks_above`` and ``setup_s``; the config and the run's wall time are added to it.
+    """
+    runs: dict[str, list[dict[str, Any]]] = {v: [] for v in active}
+    for r, order in enumerate(round_orders(active, args.rounds)):
+        for v in order:
+            cfg = make_cfg(v, r)
+            if args.quiet_wait > 0:
+                wait_for_quiet(args.quiet_wait)
+            run = run_worker(script, cfg, args.timeout)
+            tag = f"  round {r + 1} {v:<10}"
+            if run.result.get("skipped"):
+                skipped[v] = run.result["skipped"]
+                print(f"{tag} {skipped[v]}", file=sys.stderr)
+                continue
+            if not run.ok:
+                errors.append(f"{v} (round {r + 1}): {run.error}")
+                print(f"{tag} ERROR {run.error}", file=sys.stderr)
+                continue
+            res = run.result
+            res.update(round=r, wall_s=run.wall_s, cfg=cfg)
+            runs[v].append(res)
+            timed = sum(res["times"]) or float("nan")
+            print(
+                f"{tag} {' '.join(f'{t:.2f}' for t in res['times'])} {unit}, "
+                f"peak +{max(res['peaks_above']) / MiB:.0f} MiB, "
+                f"cpu {sum(res['cpu_s']) / timed:.2f} cores, "
+                f"stall {sum(res['stall_s']) / timed:.0%}, "
+                f"setup {res['setup_s']:.1f} s, process {run.wall_s:.0f} s",
+                file=sys.stderr,
+            )
+    return {v: rs for v, rs in runs.items() if rs}
+
+
+def contention(rs: Sequence[dict[str, Any]]) -> tuple[float, float]:
+    """(process CPU cores busy, system CPU stall fraction) over the timed windows of runs."""
+    timed = sum(sum(res["times"]) for res in rs) or float("nan")
+    cores = sum(sum(res["cpu_s"]) for res in rs) / timed
+    stall = sum(sum(res["stall_s"]) for res in rs) / timed
+    return cores, stall
+
+
+CONTENTION_NOTE = (
+    "cores = process CPU seconds / wall seconds of the timed windows (2.00 = both threads busy); "
+    "stall = system CPU pressure (PSI some) during them: high stall = other jobs took cores, "
+    "timings noisy (rerun with --quiet-wait 120)"
+)
+
+
+def residency_line(summary: dict[str, Any], budget: float) -> str:
+    seconds = summary.get("transfers_seconds")
+    return (
+        f"device peak {fmt_mib(summary.get('device_peak_bytes'))} MiB "
+        f"(budget {budget / MiB:.0f}), {summary.get('transfers_count', '-')} moves, "
+        f"{fmt_mib(summary.get('transfers_bytes'))} MiB"
+        + ("" if seconds is None else f" in {seconds:.2f} s")
+        + " (last round)"
+    )

@@ -206,21 +206,11 @@ def _compare_logits(path: Path, ref: Any) -> tuple[float, bool]:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated subset")
-    parser.add_argument("--seq-len", type=int, default=128)
+    common.add_common_args(parser, VARIANTS)
+    parser.add_argument("--seq-len", type=int, default=128, help="tokens in the input")
     parser.add_argument("--forwards", type=int, default=3, help="timed forwards per run")
     parser.add_argument("--warmup", type=int, default=1, help="untimed forwards first")
-    parser.add_argument("--rounds", type=int, default=2, help="runs per variant, interleaved")
-    parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--quick", action="store_true", help="1 warm-up + 1 timed, one round")
-    parser.add_argument("--timeout", type=float, default=900, help="seconds per run")
-    parser.add_argument(
-        "--quiet-wait",
-        type=float,
-        default=0,
-        help="before each run wait up to this many seconds for CPU pressure avg10 < 10%%",
-    )
-    parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker is not None:
         return _worker_main(args.worker)
@@ -232,7 +222,7 @@ def main() -> int:
 
     wall_start = time.perf_counter()
     variants = common.parse_variants(args.variants, VARIANTS)
-    has_ts, ts_line = common.tensorscope_status()
+    active, skipped, ts_line = common.skip_missing_tensorscope(variants, TENSORSCOPE_VARIANTS)
     print(
         f"offload inference: GPT2LMHeadModel {MODEL_CONFIG} random weights (seed {MODEL_SEED}), "
         f"batch 1 x {args.seq_len} tokens, no_grad, use_cache=False"
@@ -241,54 +231,25 @@ def main() -> int:
         f"torch {torch.__version__}, {args.threads} threads; {ts_line}; "
         f"{args.warmup} warm-up + {args.forwards} timed forwards x {args.rounds} round(s)"
     )
-    skipped: dict[str, str] = {}
-    if not has_ts:
-        for v in TENSORSCOPE_VARIANTS:
-            if v in variants:
-                skipped[v] = common.TENSORSCOPE_MISSING
-                print(f"{v}: {common.TENSORSCOPE_MISSING}")
-    active = [v for v in variants if v not in skipped]
+    for v, why in skipped.items():
+        print(f"{v}: {why}")
 
-    runs: dict[str, list[dict[str, Any]]] = {v: [] for v in active}
     errors: list[str] = []
     tmp = Path(tempfile.mkdtemp(prefix="offload-bench-logits-"))
+
+    def make_cfg(variant: str, round_index: int) -> dict[str, Any]:
+        return {
+            "variant": variant,
+            "seq_len": args.seq_len,
+            "warmup": args.warmup,
+            "forwards": args.forwards,
+            "threads": args.threads,
+            "logits_path": str(tmp / f"{variant}-{round_index}.pt"),
+        }
+
     try:
-        for r, order in enumerate(common.round_orders(active, args.rounds)):
-            for v in order:
-                cfg = {
-                    "variant": v,
-                    "seq_len": args.seq_len,
-                    "warmup": args.warmup,
-                    "forwards": args.forwards,
-                    "threads": args.threads,
-                    "logits_path": str(tmp / f"{v}-{r}.pt"),
-                }
-                if args.quiet_wait > 0:
-                    common.wait_for_quiet(args.quiet_wait)
-                run = common.run_worker(__file__, cfg, args.timeout)
-                if run.result.get("skipped"):
-                    skipped[v] = run.result["skipped"]
-                    print(f"  round {r + 1} {v:<10} {skipped[v]}", file=sys.stderr)
-                    continue
-                if not run.ok:
-                    errors.append(f"{v} (round {r + 1}): {run.error}")
-                    print(f"  round {r + 1} {v:<10} ERROR {run.error}", file=sys.stderr)
-                    continue
-                res = run.result
-                res["round"] = r
-                res["wall_s"] = run.wall_s
-                res["logits_path"] = cfg["logits_path"]
-                runs[v].append(res)
-                print(
-                    f"  round {r + 1} {v:<10} "
-                    f"{' '.join(f'{t:.2f}' for t in res['times'])} s/fwd, "
-                    f"peak +{max(res['peaks_above']) / common.MiB:.0f} MiB, "
-                    f"cpu {sum(res['cpu_s']) / sum(res['times']):.2f} cores, "
-                    f"stall {sum(res['stall_s']) / sum(res['times']):.0%}, "
-                    f"setup {res['setup_s']:.1f} s, process {run.wall_s:.0f} s",
-                    file=sys.stderr,
-                )
-        _report(runs, skipped, errors, args)
+        runs = common.run_rounds(__file__, active, args, make_cfg, "s/fwd", skipped, errors)
+        _report(runs, skipped, errors)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     print(f"total wall time {time.perf_counter() - wall_start:.0f} s")
@@ -298,26 +259,12 @@ def main() -> int:
     return 0
 
 
-def _residency_line(summary: dict[str, Any], budget: float) -> str:
-    seconds = summary.get("transfers_seconds")
-    return (
-        f"device peak {common.fmt_mib(summary.get('device_peak_bytes'))} MiB "
-        f"(budget {budget / common.MiB:.0f}), {summary.get('transfers_count', '-')} moves, "
-        f"{common.fmt_mib(summary.get('transfers_bytes'))} MiB"
-        + ("" if seconds is None else f" in {seconds:.2f} s")
-        + " (last round)"
-    )
-
-
 def _report(
-    runs: dict[str, list[dict[str, Any]]],
-    skipped: dict[str, str],
-    errors: list[str],
-    args: argparse.Namespace,
+    runs: dict[str, list[dict[str, Any]]], skipped: dict[str, str], errors: list[str]
 ) -> None:
     import torch
 
-    done = {v: rs for v, rs in runs.items() if rs}
+    done = runs
     if not done:
         print("no variant ran")
         return
@@ -333,7 +280,7 @@ def _report(
 
     ref = None
     if "plain" in done:
-        ref = torch.load(done["plain"][0]["logits_path"], weights_only=True)
+        ref = torch.load(done["plain"][0]["cfg"]["logits_path"], weights_only=True)
     plain_s = common.median([t for res in done.get("plain", []) for t in res["times"]])
 
     print()
@@ -374,11 +321,9 @@ def _report(
         abs_peak = max(max(res["peaks_above"]) + res["baseline_rss"] for res in rs)
         first = max(res["peaks_above"][0] for res in rs)
         setup = max(res["setup_above"] for res in rs)
-        timed = sum(sum(res["times"]) for res in rs)
-        cores = sum(sum(res["cpu_s"]) for res in rs) / timed
-        stall = sum(sum(res["stall_s"]) for res in rs) / timed
+        cores, stall = common.contention(rs)
         if ref is not None:
-            diffs = [_compare_logits(Path(res["logits_path"]), ref) for res in rs]
+            diffs = [_compare_logits(Path(res["cfg"]["logits_path"]), ref) for res in rs]
             dmax = max(d for d, _ in diffs)
             close = all(c for _, c in diffs)
             dtext, ctext = f"{dmax:.2e}", ("yes" if close else "NO")
@@ -406,7 +351,7 @@ def _report(
         if v in TENSORSCOPE_VARIANTS:
             rss_ok = peak <= RSS_TARGET_FRACTION * weight_bytes
             parts = [
-                f"peak RSS {peak / weight_bytes:.0%} of weights "
+                f"peak RSS {peak / weight_bytes:.1%} of weights "
                 f"{'<=' if rss_ok else '>'} {RSS_TARGET_FRACTION:.0%}: "
                 f"{'met' if rss_ok else 'MISSED'}",
                 f"logits allclose: {'met' if close else 'MISSED'}",
@@ -421,7 +366,7 @@ def _report(
             for key, when in (("residency_setup", "manage()"), ("residency", "forwards")):
                 summary = rs[-1].get(key)
                 if summary:
-                    verdicts.append(f"    report, {when}: {_residency_line(summary, budget)}")
+                    verdicts.append(f"    report, {when}: {common.residency_line(summary, budget)}")
     common.print_table(columns, rows)
     baseline_mib = (
         common.median([r["baseline_rss"] for rs in done.values() for r in rs]) / common.MiB
@@ -432,9 +377,7 @@ def _report(
         f"{baseline_mib:.0f} MiB); anon = same as peak RSS for "
         "RSS - shared (malloc'd memory, no file pages); 1st fwd = peak of the first (warm-up) "
         "forward; setup = RSS - baseline after building and offloading/managing; "
-        "cores = process CPU seconds / wall seconds of the timed forwards (2.00 = both threads "
-        "busy); stall = system CPU pressure (PSI some) during them: high stall = other jobs "
-        "took cores, timings noisy"
+        + common.CONTENTION_NOTE
     )
     print(
         f"targets (issue): tensorscope peak RSS <= budget + activations "
