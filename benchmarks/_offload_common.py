@@ -145,30 +145,40 @@ class PeakSampler:
 
 
 # --------------------------------------------------------------------------- CPU contention
-# The machine is shared: other jobs steal cores and a timing means little without knowing how
-# much. Each measured window records the process's CPU seconds (all threads) and the system's
-# CPU pressure stall time (PSI "some": time at least one runnable task waited for a CPU).
+# The machine is shared: other jobs steal cores, and a timing means little without knowing how
+# much. Each measured window records this process's CPU seconds (all its threads) and the CPU
+# seconds the rest of the system used meanwhile ("others": /proc/stat busy time minus ours).
 
 
-def cpu_pressure() -> tuple[float, float] | None:
-    """(avg10 in %, total stall in seconds) of /proc/pressure/cpu "some"; None if unavailable."""
+def _clock_ticks() -> int:
     try:
-        with open("/proc/pressure/cpu") as f:
-            line = f.readline()
+        return int(os.sysconf("SC_CLK_TCK"))
+    except (ValueError, OSError, AttributeError):  # pragma: no cover - not Linux
+        return 100
+
+
+_TICKS = _clock_ticks()
+
+
+def system_busy_s() -> float | None:
+    """CPU seconds all CPUs spent busy since boot (user, nice, system, irq, softirq, steal)."""
+    try:
+        with open("/proc/stat") as f:
+            fields = f.readline().split()
     except OSError:
         return None
-    fields = dict(item.split("=") for item in line.split()[1:])
-    return float(fields["avg10"]), int(fields["total"]) / 1e6
+    user, nice, system, _idle, _iowait, irq, softirq, steal = (int(x) for x in fields[1:9])
+    return (user + nice + system + irq + softirq + steal) / _TICKS
 
 
 class Window:
-    """Wall seconds, process CPU seconds and system CPU stall seconds of a measured block."""
+    """Wall seconds, this process's CPU seconds, other processes' CPU seconds of a block."""
 
     def __init__(self) -> None:
-        self.wall = self.cpu = self.stall = 0.0
+        self.wall = self.cpu = self.others = 0.0
 
     def __enter__(self) -> Window:
-        self._p0 = cpu_pressure()
+        self._b0 = system_busy_s()
         self._c0 = time.process_time()
         self._w0 = time.perf_counter()
         return self
@@ -176,19 +186,30 @@ class Window:
     def __exit__(self, *exc: object) -> None:
         self.wall = time.perf_counter() - self._w0
         self.cpu = time.process_time() - self._c0
-        p1 = cpu_pressure()
-        if self._p0 is not None and p1 is not None:
-            self.stall = p1[1] - self._p0[1]
+        b1 = system_busy_s()
+        if self._b0 is not None and b1 is not None:
+            # /proc/stat counts in clock ticks (10 ms): clamp the rounding below zero.
+            self.others = max(0.0, (b1 - self._b0) - self.cpu)
 
 
-def wait_for_quiet(max_wait_s: float, threshold_pct: float = 10.0) -> float | None:
-    """Wait up to ``max_wait_s`` until CPU pressure avg10 < threshold; returns the last avg10."""
+def others_cores(probe_s: float = 1.0) -> float | None:
+    """CPU cores the other processes use, measured over ``probe_s`` seconds (we sleep)."""
+    with Window() as w:
+        time.sleep(probe_s)
+    return None if system_busy_s() is None else w.others / w.wall
+
+
+def wait_for_quiet(max_wait_s: float, threshold_cores: float = 0.25) -> float | None:
+    """Wait up to ``max_wait_s`` until others use < ``threshold_cores`` for 2 s in a row."""
     deadline = time.monotonic() + max_wait_s
+    quiet_in_a_row = 0
     while True:
-        p = cpu_pressure()
-        if p is None or p[0] < threshold_pct or time.monotonic() >= deadline:
-            return None if p is None else p[0]
-        time.sleep(1.0)
+        load = others_cores()
+        if load is None:
+            return None
+        quiet_in_a_row = quiet_in_a_row + 1 if load < threshold_cores else 0
+        if quiet_in_a_row >= 2 or time.monotonic() >= deadline:
+            return load
 
 
 # --------------------------------------------------------------------------- tensors
@@ -376,7 +397,8 @@ def add_common_args(parser: Any, variants: Sequence[str], rounds: int = 2) -> No
         "--quiet-wait",
         type=float,
         default=0,
-        help="before each run wait up to this many seconds for CPU pressure avg10 < 10%%",
+        help="before each run wait up to this many seconds until other processes use less "
+        "than a quarter of a core",
     )
     parser.add_argument("--worker", help=argparse.SUPPRESS)
 
@@ -403,7 +425,7 @@ def run_rounds(
 ) -> dict[str, list[dict[str, Any]]]:
     """Run every variant ``args.rounds`` times, rotating the order; results per variant.
 
-    A worker result has at least ``times``, ``cpu_s``, ``stall_s`` (per timed forward/step),
+    A worker result has at least ``times``, ``cpu_s``, ``others_s`` (per timed forward/step),
     ``peaks_above`` and ``setup_s``; the config and the run's wall time are added to it.
     """
     runs: dict[str, list[dict[str, Any]]] = {v: [] for v in active}
@@ -430,7 +452,7 @@ def run_rounds(
                 f"{tag} {' '.join(f'{t:.2f}' for t in res['times'])} {unit}, "
                 f"peak +{max(res['peaks_above']) / MiB:.0f} MiB, "
                 f"cpu {sum(res['cpu_s']) / timed:.2f} cores, "
-                f"stall {sum(res['stall_s']) / timed:.0%}, "
+                f"others {sum(res['others_s']) / timed:.2f} cores, "
                 f"setup {res['setup_s']:.1f} s, process {run.wall_s:.0f} s",
                 file=sys.stderr,
             )
@@ -438,17 +460,61 @@ def run_rounds(
 
 
 def contention(rs: Sequence[dict[str, Any]]) -> tuple[float, float]:
-    """(process CPU cores busy, system CPU stall fraction) over the timed windows of runs."""
+    """(cores this process kept busy, cores other processes used) over the timed windows."""
     timed = sum(sum(res["times"]) for res in rs) or float("nan")
     cores = sum(sum(res["cpu_s"]) for res in rs) / timed
-    stall = sum(sum(res["stall_s"]) for res in rs) / timed
-    return cores, stall
+    others = sum(sum(res["others_s"]) for res in rs) / timed
+    return cores, others
+
+
+QUIET_OTHERS = 0.25  # a timed window is "quiet" when other processes used < 1/4 core during it
+
+
+@dataclass
+class TimeStats:
+    """Times of the timed windows of all runs of a variant."""
+
+    median: float  # over all windows
+    quiet_median: float  # over the quiet windows only (nan if none)
+    quiet_n: int
+    n: int
+    minimum: float
+
+    @property
+    def best_estimate(self) -> float:
+        """The quiet median when there are quiet windows, else the median of all."""
+        return self.quiet_median if self.quiet_n else self.median
+
+
+def time_stats(rs: Sequence[dict[str, Any]]) -> TimeStats:
+    samples = [(t, o) for res in rs for t, o in zip(res["times"], res["others_s"], strict=True)]
+    times = [t for t, _ in samples]
+    quiet = [t for t, o in samples if t > 0 and o / t < QUIET_OTHERS]
+    return TimeStats(
+        median(times),
+        median(quiet),
+        len(quiet),
+        len(times),
+        min(times) if times else float("nan"),
+    )
+
+
+def ratio_to(stats: TimeStats, ref: TimeStats | None) -> tuple[float, str]:
+    """(time ratio to ref, how it was computed): quiet medians when both have quiet windows."""
+    if ref is None:
+        return float("nan"), "n/a"
+    if stats.quiet_n and ref.quiet_n:
+        return stats.quiet_median / ref.quiet_median, "quiet"
+    return stats.median / ref.median, "all"
 
 
 CONTENTION_NOTE = (
-    "cores = process CPU seconds / wall seconds of the timed windows (2.00 = both threads busy); "
-    "stall = system CPU pressure (PSI some) during them: high stall = other jobs took cores, "
-    "timings noisy (rerun with --quiet-wait 120)"
+    "cores = this process's CPU seconds / wall seconds over the timed windows (2.00 = both "
+    "threads busy); others = cores the other processes used meanwhile (the machine is shared: "
+    "high = timings noisy, rerun with --quiet-wait 120); quiet = median over the windows where "
+    f"others < {QUIET_OTHERS} cores (how many of all in parentheses); min = fastest window; "
+    "x plain = ratio of quiet medians when both sides have quiet windows (marked q), else of "
+    "all medians"
 )
 
 

@@ -20,8 +20,13 @@ Per variant: RSS is read before the model is built (the baseline); the weights' 
 the same in every variant; W warm-up + N timed forwards run with RSS sampled every 2 ms on a
 background thread during the forwards only; the logits of the first forward are saved and compared
 with plain's (``torch.allclose(atol=1e-4, rtol=1e-4)``). With ``--rounds R`` every variant runs R
-times, in an order rotated every round; times are the median over all timed forwards, peaks the
-maximum over rounds.
+times, in an order rotated every round; peaks are the maximum over rounds.
+
+Timing on a shared machine: each timed forward also records this process's CPU seconds and the
+CPU seconds all other processes used meanwhile (``/proc/stat``). The table gives the median over
+all timed forwards, the median over the quiet ones (others used < 1/4 core) and the minimum; the
+ratio to plain uses the quiet medians when both sides have quiet forwards. ``--quiet-wait S``
+waits up to S seconds for a quiet machine before each run.
 
 Targets (issue): tensorscope's peak RSS above the baseline ≤ budget + activations (≈ 25-30% of the
 weights), logits allclose to plain, Flow ≤ 1.3x plain's time per forward. Missed targets are
@@ -129,7 +134,7 @@ def worker(cfg: dict[str, Any]) -> dict[str, Any]:
 
     times: list[float] = []
     cpu: list[float] = []
-    stall: list[float] = []
+    others: list[float] = []
     peaks: list[int] = []
     anon_peaks: list[int] = []
     try:
@@ -146,7 +151,7 @@ def worker(cfg: dict[str, Any]) -> dict[str, Any]:
                 if i >= cfg["warmup"]:
                     times.append(window.wall)
                     cpu.append(window.cpu)
-                    stall.append(window.stall)
+                    others.append(window.others)
         if ts is not None:
             rep = ts.residency.report()
             print(f"--- ts.residency.report() [{variant}] forwards ---\n{rep}", file=sys.stderr)
@@ -169,7 +174,7 @@ def worker(cfg: dict[str, Any]) -> dict[str, Any]:
             "setup_breakdown": setup_breakdown,
             "times": times,
             "cpu_s": cpu,
-            "stall_s": stall,
+            "others_s": others,
             "peaks_above": peaks,
             "anon_peaks_above": [a - baseline_anon for a in anon_peaks],
             "torch": torch.__version__,
@@ -281,7 +286,7 @@ def _report(
     ref = None
     if "plain" in done:
         ref = torch.load(done["plain"][0]["cfg"]["logits_path"], weights_only=True)
-    plain_s = common.median([t for res in done.get("plain", []) for t in res["times"]])
+    plain_st = common.time_stats(done["plain"]) if "plain" in done else None
 
     print()
     print(
@@ -292,6 +297,8 @@ def _report(
     columns = [
         ("variant", ""),
         ("s/fwd", "median"),
+        ("quiet", "median (n)"),
+        ("min", "s"),
         ("x plain", ""),
         ("peak RSS", "+MiB"),
         ("% wts", ""),
@@ -302,7 +309,7 @@ def _report(
         ("max|dlogits|", ""),
         ("close", ""),
         ("cores", ""),
-        ("stall", ""),
+        ("others", "cores"),
     ]
     rows: list[list[str]] = []
     verdicts: list[str] = []
@@ -314,14 +321,14 @@ def _report(
         if v not in done:
             continue
         rs = done[v]
-        s = common.median([t for res in rs for t in res["times"]])
-        ratio = s / plain_s if plain_s == plain_s else float("nan")
+        st = common.time_stats(rs)
+        ratio, how = common.ratio_to(st, plain_st)
         peak = max(max(res["peaks_above"]) for res in rs)
         anon = max(max(res["anon_peaks_above"]) for res in rs)
         abs_peak = max(max(res["peaks_above"]) + res["baseline_rss"] for res in rs)
         first = max(res["peaks_above"][0] for res in rs)
         setup = max(res["setup_above"] for res in rs)
-        cores, stall = common.contention(rs)
+        cores, others_load = common.contention(rs)
         if ref is not None:
             diffs = [_compare_logits(Path(res["cfg"]["logits_path"]), ref) for res in rs]
             dmax = max(d for d, _ in diffs)
@@ -334,8 +341,10 @@ def _report(
         rows.append(
             [
                 v,
-                f"{s:.2f}",
-                f"{ratio:.2f}x",
+                f"{st.median:.2f}",
+                f"{st.quiet_median:.2f} ({st.quiet_n}/{st.n})",
+                f"{st.minimum:.2f}",
+                f"{ratio:.2f}x" + ("q" if how == "quiet" else ""),
                 f"{peak / common.MiB:.0f}",
                 f"{peak / weight_bytes:.0%}",
                 f"{abs_peak / common.GiB:.2f}",
@@ -345,7 +354,7 @@ def _report(
                 dtext,
                 ctext,
                 f"{cores:.2f}",
-                f"{stall:.0%}",
+                f"{others_load:.2f}",
             ]
         )
         if v in TENSORSCOPE_VARIANTS:
@@ -359,7 +368,8 @@ def _report(
             if v == "flow":
                 t_ok = ratio <= FLOW_TIME_TARGET
                 parts.append(
-                    f"time {ratio:.2f}x {'<=' if t_ok else '>'} {FLOW_TIME_TARGET}x plain: "
+                    f"time {ratio:.2f}x ({how} medians) {'<=' if t_ok else '>'} "
+                    f"{FLOW_TIME_TARGET}x plain: "
                     f"{'met' if t_ok else 'MISSED'}"
                 )
             verdicts.append(f"  {v}: " + "; ".join(parts))
