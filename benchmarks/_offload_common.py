@@ -8,6 +8,13 @@ residency report, warnings) passes straight through to the parent's stderr.
 The scripts are run as files (``python benchmarks/offload_inference.py``): ``sys.path[0]`` is
 then ``benchmarks/``, so this module imports by name and ``tensorscope`` resolves to the
 installed (editable) package, not to a checkout in the current directory.
+
+Reading the memory columns: RSS counts file-backed pages of mappings too, so the scripts also
+report ``anon`` (RSS minus shared pages: what malloc holds). glibc raises its mmap threshold
+(up to 32 MiB) each time a mmapped block is freed, so blocks of up to 32 MiB that are freed
+afterwards stay in the heap and keep counting in RSS. The workers inherit the environment: running
+a benchmark with ``MALLOC_MMAP_THRESHOLD_=65536`` (a fixed threshold) shows how much of a peak
+is such retained heap rather than live tensors (at some cost in time in every variant).
 """
 
 from __future__ import annotations
@@ -365,9 +372,13 @@ def fmt_mib(n: float | None) -> str:
 
 
 def print_table(columns: Sequence[tuple[str, str]], rows: Sequence[Sequence[str]]) -> None:
-    """Columns as (title, unit line); the first column left-aligned, the others right-aligned."""
+    """Columns as (title, unit line); the first column left-aligned, the others right-aligned.
+
+    A row of two cells (variant, message) prints the message across the columns.
+    """
+    full = [row for row in rows if len(row) == len(columns)]  # others: (name, message)
     widths = [
-        max(len(title), len(unit), *(len(row[i]) for row in rows if i < len(row))) + 2
+        max(len(title), len(unit), *(len(row[i]) for row in full)) + 2
         for i, (title, unit) in enumerate(columns)
     ]
     widths[0] -= 2
