@@ -13,7 +13,7 @@ import itertools
 import threading
 import time
 import warnings
-from collections.abc import Hashable
+from collections.abc import Callable, Hashable
 
 import torch
 
@@ -110,6 +110,10 @@ class Movers:
         self.host = host
         self.disk = disk
         self.copy_stream = copy_stream  # CUDA prefetches run here, overlapping compute
+        self.migrated_bytes = 0  # heap bytes freed by first demotions (see release_free_heap)
+        # When set, page drops are handed to it (the manager's background thread) instead of
+        # being done here; it must keep them ordered with prefetches of the same placement.
+        self.dropper: Callable[[Placement], None] | None = None
 
     # ------------------------------------------------------------------------------ demote
     def demote(self, placement: Placement, target: TierName) -> float:
@@ -146,13 +150,17 @@ class Movers:
     def _to_disk_cpu(self, placement: Placement) -> None:
         storage = placement.storage
         if placement.region is None:
+            self.migrated_bytes += placement.nbytes
             region = self.disk.allocate(placement.nbytes)  # may raise: nothing changed yet
             mapped = region.storage()
             mapped.copy_(storage)
             swap_in(storage, mapped)  # the storage's memory is now the mapped file
             placement.region = region
             del mapped  # the old heap memory goes back to the allocator here
-        placement.region.drop(storage.data_ptr())
+        if self.dropper is not None:
+            self.dropper(placement)
+        else:
+            placement.region.drop(storage.data_ptr())
 
     def _release_device(self, placement: Placement) -> None:
         if self.device.device.type == "cuda":
@@ -175,6 +183,7 @@ class Movers:
 
     def _promote(self, placement: Placement, background: bool) -> float:
         start = time.perf_counter()
+        placement.wait()  # a drop of its pages may still be queued
         if placement.tier == "device":
             return 0.0
         if self.device.is_cpu:

@@ -170,6 +170,7 @@ def manage(module: nn.Module, *, manager: ResidencyManager | None = None) -> Man
             handle._add(buffer, f"buffer:{name}")
         with manager._lock:
             manager._make_room(0, "ts.manage()")
+            manager.release_heap(threshold=0)  # the weights' old heap memory goes back now
     except BaseException:
         handle.remove()
         raise

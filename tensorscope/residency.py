@@ -40,7 +40,14 @@ from tensorscope.errors import (
 )
 from tensorscope.graph.record import Recorder
 from tensorscope.policies import Action, Entry, Flow, Genoa, OpView, Policy, Snapshot
-from tensorscope.tiers import TIER_ORDER, DeviceTier, DiskTier, HostTier, TierName
+from tensorscope.tiers import (
+    TIER_ORDER,
+    DeviceTier,
+    DiskTier,
+    HostTier,
+    TierName,
+    release_free_heap,
+)
 
 if TYPE_CHECKING:
     from tensorscope._state import ThreadData
@@ -164,30 +171,35 @@ def _to_meta(value: Any) -> Any:
 
 
 class _Prefetcher:
-    """One daemon thread mapping pages in (CPU) while the main thread computes."""
+    """One daemon thread mapping pages in and dropping them (CPU) while the main thread
+    computes. Tasks run in order, so a drop and a later prefetch of one placement never race."""
 
     def __init__(self) -> None:
         import queue
 
-        self._queue: queue.SimpleQueue[tuple[Placement, threading.Event] | None] = (
+        self._queue: queue.SimpleQueue[tuple[bool, Placement, threading.Event] | None] = (
             queue.SimpleQueue()
         )
         self._thread = threading.Thread(target=self._run, name="tensorscope-prefetch", daemon=True)
         self._thread.start()
 
-    def submit(self, placement: Placement, event: threading.Event) -> None:
-        self._queue.put((placement, event))
+    def submit(self, placement: Placement, event: threading.Event, populate: bool = True) -> None:
+        self._queue.put((populate, placement, event))
 
     def _run(self) -> None:
         while True:
             item = self._queue.get()
             if item is None:
                 return
-            placement, event = item
+            populate, placement, event = item
             try:
                 region = placement.region
                 if region is not None:
-                    region.populate(placement.storage.data_ptr(), write=placement.written)
+                    address = placement.storage.data_ptr()
+                    if populate:
+                        region.populate(address, write=placement.written)
+                    else:
+                        region.drop(address)
             finally:
                 event.set()
 
@@ -229,8 +241,10 @@ class ResidencyManager:
         self._meta_cache: dict[Hashable, int] = {}
         self._prefetcher: _Prefetcher | None = None
         self._copy_stream: torch.cuda.Stream | None = None
+        self._mover: Movers | None = None
         self._busy: set[int] = set()
         self._threads: dict[int, ThreadData] = {}
+        self._resident: dict[int, Placement] = {}  # uid -> placements on the device tier
         self._handles: weakref.WeakSet[Any] = weakref.WeakSet()  # live ts.manage() handles
 
     # ------------------------------------------------------------------------ configuration
@@ -261,6 +275,7 @@ class ResidencyManager:
             new_device = self._device if device is _UNSET else self._parse_device(device)
             if new_device != self._device:
                 self._copy_stream = None
+                self._mover = None
             if new_device != self._device and self._placements:
                 raise ResidencyError(
                     f"tensorscope.residency: cannot move {len(self._placements)} managed tensors "
@@ -416,6 +431,14 @@ class ResidencyManager:
         self._by_uid[placement.uid] = placement
         self._by_role[placement.role] = placement
         self._account(placement.tier, placement.nbytes)
+        self._track(placement)
+
+    def _track(self, placement: Placement) -> None:
+        """Keep the set of device-resident placements in step with ``placement.tier``."""
+        if placement.tier == "device":
+            self._resident[placement.uid] = placement
+        else:
+            self._resident.pop(placement.uid, None)
 
     def _account(self, tier: str, delta: int) -> None:
         total = self._bytes[tier] + delta
@@ -427,6 +450,7 @@ class ResidencyManager:
         placement.wait()
         self._placements.pop(placement.key, None)
         self._by_uid.pop(placement.uid, None)
+        self._resident.pop(placement.uid, None)
         if self._by_role.get(placement.role) is placement:
             del self._by_role[placement.role]
         self._account(placement.tier, -placement.nbytes)
@@ -481,7 +505,31 @@ class ResidencyManager:
                 self._host = HostTier()
             if self._copy_stream is None:
                 self._copy_stream = cuda_stream(self._device)
-        return Movers(DeviceTier(self._device), self._host, self._disk, self._copy_stream)
+        if self._mover is None or self._mover.disk is not self._disk:
+            self._mover = Movers(
+                DeviceTier(self._device), self._host, self._disk, self._copy_stream
+            )
+            if self._device.type == "cpu":
+                self._mover.dropper = self._drop_in_background
+        return self._mover
+
+    def _drop_in_background(self, placement: Placement) -> None:
+        if self._prefetcher is None:
+            self._prefetcher = _Prefetcher()
+        event = threading.Event()
+        placement.pending = event
+        self._prefetcher.submit(placement, event, populate=False)
+
+    def release_heap(self, threshold: int = 64 << 20) -> None:
+        """Return heap memory freed by first demotions to the OS once enough has piled up."""
+        mover = self._mover
+        if mover is not None and mover.migrated_bytes >= threshold:
+            mover.migrated_bytes = 0
+            release_free_heap()
+
+    def _on_iteration_end(self) -> None:
+        self._sweep()
+        self.release_heap()
 
     def _lower(self, tier: str) -> TierName:
         tiers = self.tiers
@@ -506,9 +554,11 @@ class ResidencyManager:
         if TIER_ORDER.index(target) <= TIER_ORDER.index(source):
             return
         seconds = self._movers().demote(placement, target)  # raises before changing anything
+        self._track(placement)
         self._account(source, -placement.nbytes)
         self._account(target, placement.nbytes)
         self._count_transfer(placement.nbytes, seconds)
+        self.release_heap()
 
     def _promote(self, placement: Placement) -> None:
         if placement.tier == "device":
@@ -517,6 +567,7 @@ class ResidencyManager:
         movers.check_readable(placement)
         source = placement.tier
         seconds = movers.promote(placement)
+        self._track(placement)
         self._account(source, -placement.nbytes)
         self._account("device", placement.nbytes)
         self._count_transfer(placement.nbytes, seconds)
@@ -529,6 +580,7 @@ class ResidencyManager:
             movers.check_readable(placement)
             source = placement.tier
             seconds = movers.promote(placement, background=True)
+            self._track(placement)
             self._account(source, -placement.nbytes)
             self._account("device", placement.nbytes)
             self._count_transfer(placement.nbytes, seconds)
@@ -543,6 +595,7 @@ class ResidencyManager:
         event = threading.Event()
         placement.pending = event
         placement.tier = "device"
+        self._track(placement)
         self._account("disk", -placement.nbytes)
         self._account("device", placement.nbytes)
         self._count_transfer(placement.nbytes, 0.0)
@@ -592,13 +645,15 @@ class ResidencyManager:
 
     def _snapshot(self, upcoming: bool = False) -> Snapshot:
         recorder = self.recorder
-        entries = tuple(
-            Entry(
-                p.uid, p.nbytes, p.tier, p.last_use, recorder.next_use(p.role), p.uid in self._busy
+        busy = set(self._busy)
+        resident = list(self._resident.values())
+
+        def entries() -> tuple[Entry, ...]:
+            return tuple(
+                Entry(p.uid, p.nbytes, p.tier, p.last_use, recorder.next_use(p.role), p.uid in busy)
+                for p in resident
             )
-            for p in self._placements.values()
-            if p.tier == "device"
-        )
+
         ahead: tuple[Entry, ...] = ()
         if upcoming and recorder.predicting:
             wanted = []
@@ -609,13 +664,16 @@ class ResidencyManager:
                         Entry(p.uid, p.nbytes, p.tier, p.last_use, recorder.next_use(role), False)
                     )
             ahead = tuple(wanted)
-        return Snapshot(self._budget, self._bytes["device"], self.clock, entries, ahead)
+        return Snapshot(
+            self._budget, self._bytes["device"], self.clock, None, ahead, make_entries=entries
+        )
 
     def _make_room(self, needed: int, what: str) -> None:
         budget = self._budget
         if budget is None or self._bytes["device"] + needed <= budget:
             return
-        self._sweep()
+        if self._since_sweep > 8:
+            self._sweep()  # placements nothing holds any more free room for nothing
         shortfall = self._bytes["device"] + needed - budget
         if shortfall <= 0:
             return
@@ -628,11 +686,7 @@ class ResidencyManager:
                 return
         # The policy freed too little: the budget is a hard limit, so demote LRU-first.
         idle = sorted(
-            (
-                p
-                for p in self._placements.values()
-                if p.tier == "device" and p.uid not in self._busy
-            ),
+            (p for p in self._resident.values() if p.uid not in self._busy),
             key=lambda p: p.last_use,
         )
         for placement in idle:
@@ -682,7 +736,10 @@ class ResidencyManager:
                 self._promote(placement)
             for placement in operands:
                 placement.wait()
+            iterations = self.recorder.iterations
             self.recorder.record(func, tuple(p.role for p in operands))
+            if self.recorder.iterations != iterations:
+                self._on_iteration_end()  # a repeated forward began a new iteration
 
     def after_op(
         self,
@@ -794,7 +851,7 @@ class ResidencyManager:
         """End of an iteration (an optimizer step): the trace so far predicts the next one."""
         with self._lock:
             self.recorder.boundary()
-            self._sweep()
+            self._on_iteration_end()
 
     def reset(self) -> None:
         """Forget everything managed (data back in ordinary memory), statistics and settings'

@@ -53,6 +53,8 @@ __all__ = [
     "Tier",
     "TierName",
     "empty_storage",
+    "free_heap_bytes",
+    "release_free_heap",
     "swap_in",
 ]
 
@@ -83,6 +85,42 @@ def _madvise(address: int, length: int, advice: int) -> int:
     if _libc.madvise(address, length, advice) == 0:
         return 0
     return ctypes.get_errno()
+
+
+_malloc_trim = getattr(_libc, "malloc_trim", None)
+
+
+class _MallInfo2(ctypes.Structure):
+    _fields_ = [
+        (name, ctypes.c_size_t)
+        for name in (
+            "arena", "ordblks", "smblks", "hblks", "hblkhd",
+            "usmblks", "fsmblks", "uordblks", "fordblks", "keepcost",
+        )
+    ]  # fmt: skip
+
+
+_mallinfo2 = getattr(_libc, "mallinfo2", None)
+if _mallinfo2 is not None:
+    _mallinfo2.restype = _MallInfo2
+
+
+def free_heap_bytes() -> int:
+    """Bytes glibc's heap holds free (kept for reuse, still resident); 0 if unknown."""
+    if _mallinfo2 is None:
+        return 0
+    return int(_mallinfo2().fordblks)
+
+
+def release_free_heap() -> None:
+    """Give the C heap's free memory back to the OS (glibc's ``malloc_trim``; else no-op).
+
+    The first demotion of a CPU tensor frees its original heap memory, and each iteration's
+    activations leave free heap behind, all of which glibc keeps resident for reuse: without
+    trimming, RSS would not fall when a model's weights move to the disk tier.
+    """
+    if _malloc_trim is not None:
+        _malloc_trim(0)
 
 
 def empty_storage(device: torch.device) -> torch.UntypedStorage:

@@ -16,15 +16,14 @@ Example (a policy that never keeps anything it does not need right now):
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Literal, Protocol, runtime_checkable
+from collections.abc import Callable
+from typing import Literal, NamedTuple, Protocol, runtime_checkable
 
 __all__ = ["Action", "Entry", "OpView", "Policy", "Snapshot"]
 
 
-@dataclass(frozen=True)
-class Entry:
-    """One managed placement as the policy sees it."""
+class Entry(NamedTuple):
+    """One managed placement as the policy sees it (a NamedTuple: built per op, cheaply)."""
 
     key: int
     nbytes: int
@@ -34,16 +33,38 @@ class Entry:
     busy: bool  # an operand of the op in flight: must stay on the device
 
 
-@dataclass(frozen=True)
 class Snapshot:
-    """The state a decision may depend on; ``entries`` are the device-resident placements."""
+    """The state a decision may depend on; ``entries`` are the device-resident placements.
 
-    budget_bytes: int | None
-    device_bytes: int
-    clock: int
-    entries: tuple[Entry, ...]
-    # Placements the previous iteration used next (not resident), nearest first.
-    upcoming: tuple[Entry, ...] = field(default_factory=tuple)
+    Immutable for the policy. ``entries`` may be built on first access (``make_entries``): a
+    policy that decides without them costs no per-placement work.
+    """
+
+    __slots__ = ("_entries", "_make", "budget_bytes", "clock", "device_bytes", "upcoming")
+
+    def __init__(
+        self,
+        budget_bytes: int | None,
+        device_bytes: int,
+        clock: int,
+        entries: tuple[Entry, ...] | None = None,
+        upcoming: tuple[Entry, ...] = (),
+        *,
+        make_entries: Callable[[], tuple[Entry, ...]] | None = None,
+    ) -> None:
+        self.budget_bytes = budget_bytes
+        self.device_bytes = device_bytes
+        self.clock = clock
+        # Placements the previous iteration used next (not resident), nearest first.
+        self.upcoming = upcoming
+        self._entries = entries
+        self._make = make_entries
+
+    @property
+    def entries(self) -> tuple[Entry, ...]:
+        if self._entries is None:
+            self._entries = self._make() if self._make is not None else ()
+        return self._entries
 
     @property
     def headroom_bytes(self) -> int | None:
@@ -52,8 +73,7 @@ class Snapshot:
         return self.budget_bytes - self.device_bytes
 
 
-@dataclass(frozen=True)
-class OpView:
+class OpView(NamedTuple):
     """The op that just ran: its managed operands and results (keys)."""
 
     name: str
@@ -62,8 +82,7 @@ class OpView:
     snapshot: Snapshot | None = None  # present when the policy asks for it
 
 
-@dataclass(frozen=True)
-class Action:
+class Action(NamedTuple):
     """``demote`` a placement to the next lower tier, or ``prefetch`` it onto the device."""
 
     kind: Literal["demote", "prefetch"]

@@ -62,7 +62,7 @@ class Flow:
             return []
         actions: list[Action] = []
         headroom = snapshot.headroom_bytes
-        victims = self._ranked_victims(snapshot.entries)
+        victims: list[Entry] | None = None  # ranked only if a prefetch needs room
         evicted: set[int] = set()
         for candidate in snapshot.upcoming[: self.prefetch_limit]:
             if headroom is None or candidate.nbytes <= headroom:
@@ -71,6 +71,8 @@ class Flow:
                     headroom -= candidate.nbytes
                 continue
             # Make room only from placements needed after the candidate.
+            if victims is None:
+                victims = self._ranked_victims(snapshot.entries)
             plan, freed = [], 0
             for victim in victims:
                 if victim.key in evicted:
