@@ -214,7 +214,13 @@ def main() -> int:
     common.add_common_args(parser, VARIANTS)
     parser.add_argument("--seq-len", type=int, default=128, help="tokens in the input")
     parser.add_argument("--forwards", type=int, default=3, help="timed forwards per run")
-    parser.add_argument("--warmup", type=int, default=1, help="untimed forwards first")
+    parser.add_argument(
+        "--warmup",
+        type=int,
+        default=2,
+        help="untimed forwards first, for every variant (Flow records the op order on the first "
+        "and predicts from the second: timed forwards measure the steady state)",
+    )
     parser.add_argument("--quick", action="store_true", help="1 warm-up + 1 timed, one round")
     args = parser.parse_args()
     if args.worker is not None:

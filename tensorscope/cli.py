@@ -21,13 +21,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     demo.add_argument(
         "--batches", type=int, default=40, help="batches of the leaking loop (default 40)"
     )
+    demo.add_argument(
+        "--forwards", type=int, default=3, help="timed forwards of the offload part (default 3)"
+    )
+    demo.add_argument(
+        "--part",
+        choices=("all", "scopes", "offload"),
+        default="all",
+        help="which part to run (default: both)",
+    )
     args = parser.parse_args(argv)
     if args.command == "demo":
-        if args.batches < 1:
-            parser.error("--batches must be at least 1")
+        if args.batches < 1 or args.forwards < 1:
+            parser.error("--batches and --forwards must be at least 1")
         from tensorscope import demo as demo_module
 
-        return demo_module.main(batches=args.batches)
+        return demo_module.main(batches=args.batches, forwards=args.forwards, parts=args.part)
     parser.error(f"unknown command {args.command!r}")  # pragma: no cover - argparse catches it
     return 2
 

@@ -1,5 +1,11 @@
 """``tensorscope demo``: memory saved versus plain PyTorch, measured on this machine.
 
+Part 2 (residency) runs a 134M-parameter transformer language model (537 MiB of fp32 weights,
+pure torch, random weights) for inference three ways, each in a fresh subprocess: plain, and with
+``ts.manage(model)`` under a device budget of 25% of the weights with the Flow and Genoa
+policies; it prints time per forward and peak RSS above the RSS before the model was built, and
+checks the outputs are equal.
+
 Part 1 (dispose scopes): an evaluation loop with the classic leak — it forgets
 ``torch.no_grad()`` and keeps every batch's logits for metrics, so each kept tensor holds its
 whole autograd graph, activations included. It runs three ways, each in a fresh subprocess so
@@ -104,21 +110,132 @@ class _NoProgress:
         pass
 
 
-def _run_in_subprocess(variant: str, batches: int) -> LeakRun:
+def _run_in_subprocess(call: str) -> dict[str, Any]:
     code = (
         "import json, sys, dataclasses\n"
-        "from tensorscope.demo import run_leak_variant\n"
-        f"run = run_leak_variant({variant!r}, {batches}, show_progress=True)\n"
+        "from tensorscope import demo\n"
+        f"run = demo.{call}\n"
         "print(json.dumps(dataclasses.asdict(run)))\n"
     )
     done = subprocess.run(
         [sys.executable, "-c", code], check=True, stdout=subprocess.PIPE, text=True
     )
-    return LeakRun(**json.loads(done.stdout.strip().splitlines()[-1]))
+    result: dict[str, Any] = json.loads(done.stdout.strip().splitlines()[-1])
+    return result
 
 
-def main(batches: int = 40) -> int:
-    """Run part 1 of the demo and print a side-by-side table. Returns a process exit code."""
+@dataclass(frozen=True)
+class OffloadRun:
+    variant: str
+    weight_bytes: int
+    seconds_per_forward: float
+    peak_above_baseline_bytes: int
+    output_checksum: list[float]
+    report: str
+
+
+def _language_model() -> Any:
+    import torch
+    from torch import nn
+
+    torch.manual_seed(0)
+    width, vocab = 768, 32000
+    layers = [
+        nn.TransformerEncoderLayer(width, 12, 4 * width, dropout=0.0, batch_first=True)
+        for _ in range(12)
+    ]
+    return nn.Sequential(
+        nn.Embedding(vocab, width), *layers, nn.LayerNorm(width), nn.Linear(width, vocab)
+    ).eval()
+
+
+def run_offload_variant(variant: str, forwards: int, show_progress: bool) -> OffloadRun:
+    """Inference with a 537 MiB model: plain, or managed at 25% of the weights (this process)."""
+    import statistics
+
+    import torch
+
+    import tensorscope as ts
+    from tensorscope.memory import PeakRSS, rss_bytes
+
+    torch.set_num_threads(min(2, torch.get_num_threads()))
+    tokens = torch.randint(0, 32000, (1, 128), generator=torch.Generator().manual_seed(1))
+    baseline = rss_bytes()
+    model = _language_model()
+    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    handle = None
+    if variant != "plain":
+        ts.residency.configure(device="cpu", policy=variant, budget=weight_bytes // 4)
+        handle = ts.manage(model)
+    times: list[float] = []
+    progress = _progress(forwards + 2, variant, show_progress)
+    with torch.no_grad(), PeakRSS(baseline_bytes=baseline) as peak:
+        for i in range(forwards + 2):  # two warm-up forwards: Flow learns the op order
+            start = time.perf_counter()
+            out = model(tokens)
+            if i >= 2:
+                times.append(time.perf_counter() - start)
+            progress.update(1)
+    progress.close()
+    report = str(ts.residency.report()) if handle is not None else ""
+    if handle is not None:
+        handle.remove()
+    checksum = [float(out.sum()), float(out.abs().sum()), float(out[0, -1, :8].sum())]
+    return OffloadRun(
+        variant,
+        weight_bytes,
+        statistics.median(times),
+        peak.peak_above_baseline_bytes,
+        checksum,
+        report,
+    )
+
+
+def _part_offload(forwards: int) -> None:
+    from tensorscope._units import format_bytes
+
+    print("\ntensorscope demo, part 2: a model under a device budget of 25% of its weights")
+    runs = [
+        OffloadRun(**_run_in_subprocess(f"run_offload_variant({v!r}, {forwards}, True)"))
+        for v in ("plain", "flow", "genoa")
+    ]
+    plain = runs[0]
+    print(
+        f"  transformer LM, 12 layers d=768, vocab 32000: {format_bytes(plain.weight_bytes)} of "
+        f"fp32 weights; budget {format_bytes(plain.weight_bytes // 4)}; batch 1 x 128 tokens\n"
+    )
+    print(
+        f"  {'variant':<22}{'s/forward':>10}{'vs plain':>10}"
+        f"{'peak RSS above baseline':>26}{'% of weights':>14}{'same output':>13}"
+    )
+    for run in runs:
+        same = all(
+            abs(a - b) <= 1e-3 * max(1.0, abs(b))
+            for a, b in zip(run.output_checksum, plain.output_checksum, strict=True)
+        )
+        label = "plain PyTorch" if run.variant == "plain" else f"ts.manage, {run.variant}"
+        print(
+            f"  {label:<22}{run.seconds_per_forward:>9.3f}s"
+            f"{run.seconds_per_forward / plain.seconds_per_forward:>9.2f}x"
+            f"{format_bytes(run.peak_above_baseline_bytes):>26}"
+            f"{run.peak_above_baseline_bytes / run.weight_bytes:>13.0%}"
+            f"{'yes' if same else 'NO':>13}"
+        )
+    print("\n  the residency report of the Flow run:")
+    for line in runs[1].report.splitlines():
+        print(f"    {line}")
+
+
+def main(batches: int = 40, forwards: int = 3, parts: str = "all") -> int:
+    """Run the demo and print side-by-side tables. Returns a process exit code."""
+    if parts in ("all", "scopes"):
+        _part_scopes(batches)
+    if parts in ("all", "offload"):
+        _part_offload(forwards)
+    return 0
+
+
+def _part_scopes(batches: int) -> None:
     from tensorscope._units import format_bytes
 
     print("tensorscope demo, part 1: dispose scopes vs a leaking evaluation loop")
@@ -127,7 +244,10 @@ def main(batches: int = 40) -> int:
         "  every batch's logits kept for metrics (each one pins its autograd graph)\n"
     )
     variants = ("plain", "plain-fixed", "scoped", "scoped-fixed")
-    runs = [_run_in_subprocess(v, batches) for v in variants]
+    runs = [
+        LeakRun(**_run_in_subprocess(f"run_leak_variant({v!r}, {batches}, show_progress=True)"))
+        for v in variants
+    ]
     labels = {
         "plain": "plain PyTorch (the leak)",
         "plain-fixed": "plain, fixed by hand: .detach()",
@@ -151,7 +271,6 @@ def main(batches: int = 40) -> int:
         print("\n  the leak report of the scoped run (first batch):")
         for line in first:
             print(f"    {line}")
-    return 0
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -171,6 +171,7 @@ def manage(module: nn.Module, *, manager: ResidencyManager | None = None) -> Man
         with manager._lock:
             manager._make_room(0, "ts.manage()")
             manager.release_heap(threshold=0)  # the weights' old heap memory goes back now
+        manager.flush_disk()  # their copies reach the disk now, not during the first steps
     except BaseException:
         handle.remove()
         raise

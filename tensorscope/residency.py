@@ -171,35 +171,30 @@ def _to_meta(value: Any) -> Any:
 
 
 class _Prefetcher:
-    """One daemon thread mapping pages in and dropping them (CPU) while the main thread
-    computes. Tasks run in order, so a drop and a later prefetch of one placement never race."""
+    """One daemon thread mapping pages in (CPU) while the main thread computes."""
 
     def __init__(self) -> None:
         import queue
 
-        self._queue: queue.SimpleQueue[tuple[bool, Placement, threading.Event] | None] = (
+        self._queue: queue.SimpleQueue[tuple[Placement, threading.Event] | None] = (
             queue.SimpleQueue()
         )
         self._thread = threading.Thread(target=self._run, name="tensorscope-prefetch", daemon=True)
         self._thread.start()
 
-    def submit(self, placement: Placement, event: threading.Event, populate: bool = True) -> None:
-        self._queue.put((populate, placement, event))
+    def submit(self, placement: Placement, event: threading.Event) -> None:
+        self._queue.put((placement, event))
 
     def _run(self) -> None:
         while True:
             item = self._queue.get()
             if item is None:
                 return
-            populate, placement, event = item
+            placement, event = item
             try:
                 region = placement.region
                 if region is not None:
-                    address = placement.storage.data_ptr()
-                    if populate:
-                        region.populate(address, write=placement.written)
-                    else:
-                        region.drop(address)
+                    region.populate(placement.storage.data_ptr(), write=placement.written)
             finally:
                 event.set()
 
@@ -509,16 +504,15 @@ class ResidencyManager:
             self._mover = Movers(
                 DeviceTier(self._device), self._host, self._disk, self._copy_stream
             )
-            if self._device.type == "cpu":
-                self._mover.dropper = self._drop_in_background
         return self._mover
 
-    def _drop_in_background(self, placement: Placement) -> None:
-        if self._prefetcher is None:
-            self._prefetcher = _Prefetcher()
-        event = threading.Event()
-        placement.pending = event
-        self._prefetcher.submit(placement, event, populate=False)
+    def flush_disk(self) -> None:
+        """Write dirty offload pages to disk now, so background writeback does not compete
+        with the next iterations (called once by ``ts.manage()``)."""
+        with self._lock:
+            for placement in self._placements.values():
+                if placement.region is not None:
+                    placement.region.flush()
 
     def release_heap(self, threshold: int = 64 << 20) -> None:
         """Return heap memory freed by first demotions to the OS once enough has piled up."""

@@ -170,6 +170,11 @@ class DiskRegion:
         """Unmap the region's pages: RSS falls, the bytes stay in the page cache and the file."""
         _madvise(address, self.length, _MADV_DONTNEED)
 
+    def flush(self) -> None:
+        """Write the region's dirty pages to the file now (``fdatasync``; not the hot path)."""
+        if self._fd >= 0:
+            os.fdatasync(self._fd)
+
     def close(self) -> None:
         """Forget the region. The mapping lives on while a storage still uses its memory."""
         fd, self._fd = self._fd, -1

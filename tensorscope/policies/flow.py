@@ -38,7 +38,7 @@ class Flow:
     name = "flow"
     wants_snapshot_after_op = True
 
-    def __init__(self, prefetch_limit: int = 8) -> None:
+    def __init__(self, prefetch_limit: int = 2) -> None:
         self.prefetch_limit = prefetch_limit
 
     def _ranked_victims(self, entries: tuple[Entry, ...]) -> list[Entry]:
