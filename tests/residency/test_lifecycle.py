@@ -1,0 +1,100 @@
+"""Lifecycle: what manage() changes and gives back, and what is left after the process."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import torch
+from torch import nn
+
+import tensorscope as ts
+
+
+def test_manage_needs_a_module_on_the_managers_device() -> None:
+    with pytest.raises(ts.ArgumentTypeError, match=r"nn\.Module"):
+        ts.manage(torch.ones(3))  # type: ignore[arg-type]
+
+
+def test_manage_keeps_parameters_parameters_and_remove_restores_them() -> None:
+    model = nn.Sequential(nn.Linear(8, 8), nn.BatchNorm1d(8))
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    ts.residency.configure(policy="genoa", budget="4KiB")
+    handle = ts.manage(model)
+    assert all(isinstance(p, nn.Parameter) for p in model.parameters())
+    assert isinstance(model[0].weight, ts.ManagedParameter)
+    model[0].weight.demote()
+    assert model[0].weight.tier == "disk" and model[1].running_mean.tier == "device"
+    assert list(model.state_dict()) == list(before)
+    for key, value in model.state_dict().items():
+        assert torch.equal(value, before[key])
+    handle.remove()
+    handle.remove()  # idempotent
+    assert type(model[0].weight) is nn.Parameter and type(model[1].running_mean) is torch.Tensor
+    assert ts.residency.managed_count() == 0
+
+
+def test_managed_module_as_a_context_manager_and_repr() -> None:
+    model = nn.Linear(4, 4)
+    with ts.manage(model) as handle:
+        assert "ManagedModule Linear" in repr(handle)
+        assert repr(model.weight).startswith("Parameter containing:")
+    assert handle.removed and type(model.weight) is nn.Parameter
+
+
+EXIT_SCRIPT = r"""
+import torch, tensorscope as ts
+t = ts.ref(torch.ones(1024))
+t.demote()
+print(ts.residency._disk.directory, flush=True)
+"""
+
+
+def test_the_private_offload_dir_is_gone_after_the_process_exits() -> None:
+    import os
+
+    done = subprocess.run(
+        [sys.executable, "-c", EXIT_SCRIPT], capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr
+    directory = done.stdout.strip().splitlines()[-1]
+    assert directory and not os.path.exists(directory)
+
+
+@pytest.mark.gpu
+def test_cuda_round_trip_through_host_and_disk() -> None:
+    ts.residency.configure(device="cuda", policy="flow", budget="64MiB")
+    t = ts.ref(torch.arange(1 << 20, dtype=torch.float32, device="cuda"))
+    expected = t.clone()
+    t.demote("host")
+    assert t.tier == "host"
+    t.demote("disk")
+    assert t.tier == "disk"
+    t.promote()
+    assert t.tier == "device" and torch.equal(t, expected)
+
+
+@pytest.mark.gpu
+def test_cuda_training_under_budget_matches_plain() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Linear(256, 256) for _ in range(8)]).cuda()
+    reference = nn.Sequential(*[nn.Linear(256, 256) for _ in range(8)]).cuda()
+    reference.load_state_dict(model.state_dict())
+    ts.residency.configure(device="cuda", policy="flow", budget="2MiB")
+    handle = ts.manage(model)
+    opt, ref_opt = torch.optim.Adam(model.parameters()), torch.optim.Adam(reference.parameters())
+    x = torch.randn(32, 256, device="cuda")
+    for _ in range(3):
+        with ts.scope():
+            loss = model(x).pow(2).mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+        ref_loss = reference(x).pow(2).mean()
+        ref_opt.zero_grad()
+        ref_loss.backward()
+        ref_opt.step()
+    handle.remove()
+    for ours, theirs in zip(model.parameters(), reference.parameters(), strict=True):
+        assert torch.allclose(ours, theirs)
