@@ -8,10 +8,8 @@ Scopes form a stack per thread and per asyncio task (a contextvar holds the inne
 from __future__ import annotations
 
 import functools
-import gc
 import inspect
 import sys
-import warnings
 import weakref
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
@@ -22,7 +20,9 @@ import torch
 from typing_extensions import ParamSpec, Self
 
 from tensorscope import _intercept
-from tensorscope._sites import capture_site, format_site
+from tensorscope._dispose import dispose_states
+from tensorscope._leaks import LeakRecord, find_leaks, warn_leaks
+from tensorscope._sites import capture_site
 from tensorscope._state import (
     CURRENT_SCOPE,
     RefState,
@@ -31,13 +31,11 @@ from tensorscope._state import (
     state_of,
     thread_data,
 )
-from tensorscope._units import format_bytes
-from tensorscope.errors import ArgumentTypeError, LeakWarning, ScopeError
+from tensorscope.errors import ArgumentTypeError, ScopeError
 from tensorscope.ref import (
     DisposedTensor,
     TensorRef,
     _check_convertible,
-    dispose_states,
     disposed_error,
     resolve_open,
     set_owner,
@@ -112,25 +110,6 @@ def stats() -> Stats:
 def reset_stats() -> None:
     """Zero this thread's counters."""
     thread_data().counters.reset()
-
-
-@dataclass(frozen=True)
-class LeakRecord:
-    """A ref that was still referenced from outside its scope when the scope closed."""
-
-    shape: tuple[int, ...]
-    dtype: torch.dtype
-    nbytes: int
-    site: str
-    held_by: tuple[str, ...]
-
-    def __str__(self) -> str:
-        dtype = str(self.dtype).removeprefix("torch.")
-        holders = ", ".join(self.held_by)
-        return (
-            f"tensor {self.shape} {dtype} ({format_bytes(self.nbytes)}) created at {self.site}, "
-            f"held by {holders}"
-        )
 
 
 class DisposeScope:
@@ -213,7 +192,7 @@ class DisposeScope:
         self._closed = True
         try:
             if self.report_leaks and frame is not None:
-                self.leaks = self._find_leaks(frame)
+                self.leaks = find_leaks(self, frame, self._locals_at_entry)
             dispose_states(list(self._owned.values()), reason=f"when {self._words()} closed")
         finally:
             self._owned.clear()
@@ -228,7 +207,7 @@ class DisposeScope:
             if self._entered and self._thread is not None:
                 _intercept.release(self._thread)
         if self.leaks:  # warned last: a warning turned into an error must not stop the close
-            self._warn_leaks()
+            warn_leaks(self._words(), self.leaks)
 
     def __call__(self, func: Callable[_P, _R]) -> Callable[_P, _R]:
         """Decorator: run each call of ``func`` in a new scope like this one."""
@@ -366,55 +345,6 @@ class DisposeScope:
 
     def _words(self) -> str:
         return f"scope {self.name!r}" if self.name else "an unnamed scope"
-
-    def _find_leaks(self, frame: FrameType) -> list[LeakRecord]:
-        # Only the scope's own frame and its locals created inside the scope may hold a ref
-        # without it being a leak; anything else (a list made before the scope, an attribute,
-        # a closure cell, a global) would keep the tensor alive beyond the step.
-        local_ids = {id(v) for v in frame.f_locals.values()} - self._locals_at_entry
-        ignored = {id(frame), id(frame.f_locals)}
-        records = []
-        for state in list(self._owned.values()):
-            tensor = state()
-            if tensor is None:
-                continue
-            holders = [
-                _describe_holder(holder)
-                for holder in gc.get_referrers(tensor)
-                if not isinstance(holder, FrameType)
-                and id(holder) not in ignored
-                and id(holder) not in local_ids
-            ]
-            if holders:
-                records.append(
-                    LeakRecord(
-                        tuple(tensor.shape),
-                        tensor.dtype,
-                        tensor.numel() * tensor.element_size(),
-                        format_site(state.site),
-                        tuple(holders),
-                    )
-                )
-            del tensor
-        return records
-
-    def _warn_leaks(self) -> None:
-        lines = "\n".join(f"  - {r}" for r in self.leaks)
-        total = format_bytes(sum(r.nbytes for r in self.leaks))
-        warnings.warn(
-            f"tensorscope.scope: {self._words()} closed while {len(self.leaks)} of its tensors "
-            f"({total}) were still referenced from outside it. They are disposed now; "
-            f"without the scope they would have stayed alive (a leak):\n{lines}",
-            LeakWarning,
-            stacklevel=4,
-        )
-
-
-def _describe_holder(holder: object) -> str:
-    kind = type(holder).__name__
-    if isinstance(holder, dict):
-        return "a dict (an object attribute or a mapping)"
-    return f"a {kind}"
 
 
 def _one_or_tuple(tensors: tuple[torch.Tensor, ...]) -> torch.Tensor | tuple[torch.Tensor, ...]:

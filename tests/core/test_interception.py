@@ -160,3 +160,14 @@ def test_scope_closed_from_another_thread_leaves_its_own_thread_usable() -> None
     with ts.scope():  # the next scope event of this thread cleans up
         pass
     assert torch._C._len_torch_dispatch_stack() == 0
+
+
+def test_leak_warning_points_at_the_users_with_statement() -> None:
+    import inspect
+
+    keep: list[torch.Tensor] = []
+    with pytest.warns(ts.LeakWarning) as caught:
+        line = inspect.currentframe().f_lineno + 1  # type: ignore[union-attr]
+        with ts.scope(report_leaks=True):
+            keep.append(torch.ones(3))
+    assert caught[0].filename == __file__ and caught[0].lineno == line

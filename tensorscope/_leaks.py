@@ -1,0 +1,95 @@
+"""The leak report of ``ts.scope(report_leaks=True)``: refs still referenced from outside the
+scope when it closed, and where each was created."""
+
+from __future__ import annotations
+
+import gc
+import warnings
+from dataclasses import dataclass
+from types import FrameType
+from typing import TYPE_CHECKING
+
+import torch
+
+from tensorscope._sites import format_site
+from tensorscope._units import format_bytes
+from tensorscope.errors import LeakWarning
+
+if TYPE_CHECKING:
+    from tensorscope.scope import DisposeScope
+
+__all__ = ["LeakRecord", "find_leaks", "warn_leaks"]
+
+
+@dataclass(frozen=True)
+class LeakRecord:
+    """A ref that was still referenced from outside its scope when the scope closed."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    nbytes: int
+    site: str
+    held_by: tuple[str, ...]
+
+    def __str__(self) -> str:
+        dtype = str(self.dtype).removeprefix("torch.")
+        holders = ", ".join(self.held_by)
+        return (
+            f"tensor {self.shape} {dtype} ({format_bytes(self.nbytes)}) created at {self.site}, "
+            f"held by {holders}"
+        )
+
+
+def find_leaks(
+    scope: DisposeScope, frame: FrameType, locals_at_entry: set[int]
+) -> list[LeakRecord]:
+    """Owned refs of ``scope`` that something outside the scope's own frame still references."""
+    # Only the scope's own frame and its locals created inside the scope may hold a ref
+    # without it being a leak; anything else (a list made before the scope, an attribute,
+    # a closure cell, a global) would keep the tensor alive beyond the step.
+    local_ids = {id(v) for v in frame.f_locals.values()} - locals_at_entry
+    ignored = {id(frame), id(frame.f_locals)}
+    records = []
+    for state in list(scope._owned.values()):
+        tensor = state()
+        if tensor is None:
+            continue
+        holders = [
+            _describe_holder(holder)
+            for holder in gc.get_referrers(tensor)
+            if not isinstance(holder, FrameType)
+            and id(holder) not in ignored
+            and id(holder) not in local_ids
+        ]
+        if holders:
+            records.append(
+                LeakRecord(
+                    tuple(tensor.shape),
+                    tensor.dtype,
+                    tensor.numel() * tensor.element_size(),
+                    format_site(state.site),
+                    tuple(holders),
+                )
+            )
+        del tensor
+    return records
+
+
+def warn_leaks(scope_words: str, leaks: list[LeakRecord]) -> None:
+    """One LeakWarning listing every leaked ref, pointing at the user's ``with`` line."""
+    lines = "\n".join(f"  - {r}" for r in leaks)
+    total = format_bytes(sum(r.nbytes for r in leaks))
+    warnings.warn(
+        f"tensorscope.scope: {scope_words} closed while {len(leaks)} of its tensors "
+        f"({total}) were still referenced from outside it. They are disposed now; "
+        f"without the scope they would have stayed alive (a leak):\n{lines}",
+        LeakWarning,
+        stacklevel=4,
+    )
+
+
+def _describe_holder(holder: object) -> str:
+    kind = type(holder).__name__
+    if isinstance(holder, dict):
+        return "a dict (an object attribute or a mapping)"
+    return f"a {kind}"

@@ -1,0 +1,58 @@
+"""What ``ts.residency.report()`` returns: per-tier bytes, peaks, transfers; ``str()`` a table."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from tensorscope._units import format_bytes
+
+__all__ = ["ResidencyReport", "TierReport", "Transfers"]
+
+
+@dataclass(frozen=True)
+class TierReport:
+    resident_bytes: int
+    peak_bytes: int
+    placements: int
+
+
+@dataclass(frozen=True)
+class Transfers:
+    count: int
+    bytes: int
+    seconds: float
+
+
+@dataclass(frozen=True)
+class ResidencyReport:
+    """What ``ts.residency.report()`` returns; ``str()`` is a readable table."""
+
+    device: str
+    policy: str
+    budget_bytes: int | None
+    tiers: dict[str, TierReport]
+    transfers: Transfers
+    prefetches: int
+
+    @property
+    def peak_bytes(self) -> int:
+        """Peak of the device tier (the budgeted one)."""
+        return self.tiers["device"].peak_bytes
+
+    def __str__(self) -> str:
+        budget = "unlimited" if self.budget_bytes is None else format_bytes(self.budget_bytes)
+        lines = [
+            f"tensorscope residency: device {self.device}, policy {self.policy}, budget {budget}",
+            f"  {'tier':<8}{'resident':>12}{'peak':>12}{'tensors':>9}",
+        ]
+        for name, tier in self.tiers.items():
+            lines.append(
+                f"  {name:<8}{format_bytes(tier.resident_bytes):>12}"
+                f"{format_bytes(tier.peak_bytes):>12}{tier.placements:>9}"
+            )
+        t = self.transfers
+        lines.append(
+            f"  transfers: {t.count} moves, {format_bytes(t.bytes)} in {t.seconds:.3f} s; "
+            f"{self.prefetches} prefetched"
+        )
+        return "\n".join(lines)
