@@ -15,6 +15,7 @@ from tensorscope.policies import OpView
 __all__ = ["OpPath"]
 
 _SWEEP_EVERY = 64  # ops between sweeps of placements nothing else holds any more
+_META_CACHE_LIMIT = 4096  # op signatures whose result sizes are remembered
 
 
 def _tensors(args: Iterable[Any]) -> Iterable[torch.Tensor]:
@@ -27,9 +28,20 @@ def _tensors(args: Iterable[Any]) -> Iterable[torch.Tensor]:
                     yield item
 
 
+class _Uncacheable(Exception):
+    """An argument that cannot be part of a cache key (the estimate is then not cached)."""
+
+
 def _signature(value: Any) -> Hashable:
+    """What decides an op's result sizes: tensor metadata and non-float arguments.
+
+    Floats (a learning rate, a step size) never decide shapes and change every step: keeping
+    their values would grow the cache without bound.
+    """
     if isinstance(value, torch.Tensor):
         return ("T", tuple(value.shape), value.stride(), value.dtype, value.device.type)
+    if isinstance(value, float):
+        return float
     if isinstance(value, (list, tuple)):
         return tuple(_signature(v) for v in value)
     if isinstance(value, dict):
@@ -37,7 +49,7 @@ def _signature(value: Any) -> Hashable:
     try:
         hash(value)
     except TypeError:
-        return ("?", id(value))
+        raise _Uncacheable from None
     return value  # type: ignore[no-any-return]
 
 
@@ -158,17 +170,15 @@ class OpPath(Moving):
         """Bytes of fresh results ``func`` will allocate (meta run, cached per signature)."""
         try:
             key: Hashable = (func, _signature(args), _signature(kwargs))
-            hash(key)
-        except TypeError:
-            key = None
-        if key is not None:
-            cached = self._meta_cache.get(key)
-            if cached is not None:
-                return cached
-        nbytes = self._meta_run(func, args, kwargs)
-        if key is not None:
-            self._meta_cache[key] = nbytes
-        return nbytes
+        except _Uncacheable:
+            return self._meta_run(func, args, kwargs)
+        cached = self._meta_cache.get(key)
+        if cached is None:
+            cached = self._meta_run(func, args, kwargs)
+            if len(self._meta_cache) >= _META_CACHE_LIMIT:
+                self._meta_cache.clear()  # shapes changed a lot: start afresh
+            self._meta_cache[key] = cached
+        return cached
 
     @staticmethod
     def _meta_run(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> int:

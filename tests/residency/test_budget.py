@@ -189,3 +189,21 @@ def test_flow_demotes_activations_in_forward_and_prefetches_them_for_backward() 
             assert prefetched > 0  # and came back ahead of their use in the backward
         assert ts.residency.report().peak_bytes <= ts.residency.budget_bytes
     handle.remove()
+
+
+def test_nothing_accumulates_across_managed_training_steps() -> None:
+    model = _mlp()
+    ts.residency.configure(policy="flow", budget=200_000)
+    handle = ts.manage(model)
+    opt = torch.optim.Adam(model.parameters())
+    x = torch.randn(32, 128)
+    seen = []
+    for _ in range(6):
+        with ts.scope():
+            loss = model(x).pow(2).mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+        seen.append((ts.residency.managed_count(), len(ts.residency._meta_cache), ts.stats().live))
+    assert len(set(seen[1:])) == 1, seen  # placements, cached op signatures, live refs
+    handle.remove()
