@@ -17,6 +17,9 @@ from tensorscope.graph.analysis import NextUse
 __all__ = ["Recorder", "Trace"]
 
 _MIN_ITERATION_OPS = 4
+# A workload that never repeats must not grow the trace forever: past this many ops the
+# iteration is cut (predictions from it are then merely unhelpful, never wrong).
+MAX_ITERATION_OPS = 200_000
 
 
 @dataclass
@@ -70,7 +73,7 @@ class Recorder:
 
     def record(self, signature: Hashable, keys: tuple[Hashable, ...]) -> None:
         """Append one op (starting a new iteration first if it is the start of the last one)."""
-        if self.starts_iteration(signature, keys):
+        if self.starts_iteration(signature, keys) or len(self.current) >= MAX_ITERATION_OPS:
             self.boundary()
         index = len(self.current)
         if self.previous is not None and not self.diverged:

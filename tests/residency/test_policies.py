@@ -159,3 +159,13 @@ def test_a_policy_must_have_evict_and_after_op() -> None:
         ts.residency.configure(policy=object())  # type: ignore[arg-type]
     with pytest.raises(ts.InvalidArgumentError, match="unknown policy"):
         ts.residency.configure(policy="lru")
+
+
+def test_a_workload_that_never_repeats_keeps_a_bounded_trace(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    import tensorscope.graph.record as record
+
+    monkeypatch.setattr(record, "MAX_ITERATION_OPS", 10)
+    recorder = Recorder()
+    for index in range(35):
+        recorder.record(f"op{index}", (index,))  # never the same op twice
+    assert len(recorder.current) < 10 and recorder.iterations == 3
