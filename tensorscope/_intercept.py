@@ -108,7 +108,6 @@ def adopt(tensor: torch.Tensor, owner: Owner, counters: Counters) -> RefState:
     state.counters = counters
     state.disposal = None
     state.grad_of = None
-    state.residency = None
     STATES[key] = state
     owner._owned[key] = state
     counters.created_in_scope += 1

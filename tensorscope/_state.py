@@ -98,7 +98,7 @@ class Disposal:
 class RefState(weakref.ref):  # type: ignore[type-arg]
     """Weak reference to a TensorRef plus everything tensorscope knows about it."""
 
-    __slots__ = ("counters", "disposal", "grad_of", "key", "owner", "residency", "site")
+    __slots__ = ("counters", "disposal", "grad_of", "key", "owner", "site")
 
     key: int
     owner: Owner | None
@@ -106,7 +106,6 @@ class RefState(weakref.ref):  # type: ignore[type-arg]
     counters: Counters
     disposal: Disposal | None
     grad_of: weakref.ref[torch.Tensor] | None
-    residency: Any
 
 
 STATES: dict[int, RefState] = {}
@@ -165,7 +164,6 @@ def new_state(
     state.counters = counters
     state.disposal = None
     state.grad_of = None
-    state.residency = None
     STATES[key] = state
     if owner is not None:
         owner._owned[key] = state
