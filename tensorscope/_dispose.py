@@ -21,6 +21,7 @@ import torch
 
 from tensorscope import _saved
 from tensorscope._state import DISPOSAL_LISTENERS, Disposal, RefState, state_of
+from tensorscope._torch import storage_address
 from tensorscope.ref import (
     DisposedTensor,
     TensorRef,
@@ -41,14 +42,15 @@ def dispose_states(states: Iterable[RefState], reason: str) -> None:
     """
     batch: list[tuple[torch.Tensor, RefState]] = []
     refs_per_storage: dict[int, int] = {}
-    storages: dict[int, torch.UntypedStorage] = {}
+    one_ref: dict[int, torch.Tensor] = {}  # a tensor of each storage, to reach the storage
     for state in states:
         tensor = state()
         if tensor is None or state.disposal is not None:
             continue
-        key = _storage_key(tensor, storages)
+        key = _storage_key(tensor)
         if key is not None:
             refs_per_storage[key] = refs_per_storage.get(key, 0) + 1
+            one_ref.setdefault(key, tensor)
         _unlink_grads(tensor, state)
         owner = state.owner
         if owner is not None:
@@ -62,29 +64,31 @@ def dispose_states(states: Iterable[RefState], reason: str) -> None:
             tuple(tensor.shape), tensor.dtype, getattr(owner, "name", None), reason, None
         )
         batch.append((tensor, state))
-    _saved.empty_unheld_aliases(
-        storages, refs_per_storage, f"{reason} (autograd had saved it for backward)"
-    )
+    # Exactly one Python storage object per key, and only where autograd holds aliases: the
+    # use-count arithmetic of empty_unheld_aliases counts it.
+    storages = {k: t.untyped_storage() for k, t in one_ref.items() if k in _saved.ALIASES}
+    one_ref.clear()
+    if storages:
+        _saved.empty_unheld_aliases(
+            storages, refs_per_storage, f"{reason} (autograd had saved it for backward)"
+        )
+        storages.clear()
     for tensor, _state in batch:
         _release(tensor)
         tensor.__class__ = DisposedTensor
-    if DISPOSAL_LISTENERS and storages:
-        keys = list(storages)
-        storages.clear()  # drop our own references first
+    if DISPOSAL_LISTENERS and refs_per_storage:
+        keys = list(refs_per_storage)
         for listener in DISPOSAL_LISTENERS:
             listener(keys)
 
 
-def _storage_key(tensor: torch.Tensor, storages: dict[int, torch.UntypedStorage]) -> int | None:
+def _storage_key(tensor: torch.Tensor) -> int | None:
     if tensor.layout is not torch.strided or tensor.device.type == "meta":
         return None
     try:
-        storage = tensor.untyped_storage()
+        return storage_address(tensor)
     except (RuntimeError, NotImplementedError):
         return None
-    key = int(storage._cdata)
-    storages.setdefault(key, storage)  # keep exactly one Python storage object per key
-    return key
 
 
 def _unlink_grads(tensor: torch.Tensor, state: RefState) -> None:
@@ -100,6 +104,9 @@ def _unlink_grads(tensor: torch.Tensor, state: RefState) -> None:
         tensor.grad = None
 
 
+_EMPTIES: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
+
+
 def _release(tensor: torch.Tensor) -> None:
     """Drop this TensorImpl's hold on its storage and, when possible, on its autograd graph."""
     with _no_dispatch(), _no_subclass_function():
@@ -107,7 +114,13 @@ def _release(tensor: torch.Tensor) -> None:
             # A disposed output kept in a stray list would otherwise keep its whole graph
             # (and the activations saved in it) alive. Views cannot be detached in place.
             tensor.detach_()
-        tensor.data = torch.empty(0, dtype=tensor.dtype, device=tensor.device)
+        # Disposed tensors share one 0-byte storage per dtype and device: nothing can grow it
+        # (every Python path raises; C++ paths reaching a disposed tensor fail on its shape).
+        key = (tensor.dtype, tensor.device)
+        empty = _EMPTIES.get(key)
+        if empty is None:
+            empty = _EMPTIES[key] = torch.empty(0, dtype=tensor.dtype, device=tensor.device)
+        tensor.data = empty
 
 
 def dispose(*tensors: torch.Tensor) -> None:

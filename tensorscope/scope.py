@@ -10,7 +10,6 @@ from __future__ import annotations
 import functools
 import inspect
 import sys
-import weakref
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from types import FrameType, TracebackType
@@ -141,7 +140,6 @@ class DisposeScope:
         self.leaks: list[LeakRecord] = []
         self._owned: dict[int, RefState] = {}
         self._outer: DisposeScope | None = None
-        self._inners: weakref.WeakSet[DisposeScope] = weakref.WeakSet()
         self._entered = False
         self._closed = False
         self._thread: ThreadData | None = None
@@ -161,8 +159,6 @@ class DisposeScope:
             )
         outer = resolve_open(CURRENT_SCOPE.get())
         self._outer = outer
-        if outer is not None:
-            outer._inners.add(self)
         if self.report_leaks:
             frame = sys._getframe(1)
             self._locals_at_entry = {id(value) for value in frame.f_locals.values()}
@@ -197,11 +193,6 @@ class DisposeScope:
         finally:
             self._owned.clear()
             outer = resolve_open(self._outer)
-            for inner in list(self._inners):
-                if inner._outer is self:
-                    inner._outer = outer
-                    if outer is not None:
-                        outer._inners.add(inner)
             if CURRENT_SCOPE.get() is self:
                 CURRENT_SCOPE.set(outer)
             if self._entered and self._thread is not None:
