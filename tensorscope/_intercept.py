@@ -35,8 +35,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import threading
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -284,6 +286,39 @@ def _resume(data: ThreadData) -> None:
     if interceptor.records and interceptor.records[-1]:
         interceptor.records.pop()
         interceptor.paused -= 1
+
+
+@contextlib.contextmanager
+def backward_unintercepted() -> Iterator[None]:
+    """Run a backward pass with this thread's interceptor popped (when nothing needs it).
+
+    # NOTE [backward runs without the mode]
+    # What backward creates is the engine's own: gradient temporaries it frees as it goes, and
+    # ``.grad``s, which scopes never own anyway. Owning them buys nothing, and every op the
+    # engine runs would re-enter Python (about 15 µs each, measured on an MLP step, most of it
+    # the mode's own cost). Saved-tensor hooks stay pushed, so backward over a disposed
+    # activation still raises. With the residency manager active the mode stays: operands
+    # must be made resident.
+    """
+    data = thread_data()
+    interceptor = data.interceptor
+    if (
+        interceptor is None
+        or not data.pushed
+        or data.suspended
+        or data.backward_paused
+        or interceptor.manager is not None
+        or not _mode_on_top(interceptor)
+    ):
+        yield
+        return
+    torch._C._pop_torch_dispatch_stack(None)
+    data.backward_paused = True
+    try:
+        yield
+    finally:
+        data.backward_paused = False
+        torch._C._push_on_torch_dispatch_stack(interceptor)
 
 
 def acquire(data: ThreadData) -> None:

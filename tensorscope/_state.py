@@ -184,7 +184,15 @@ def state_of(tensor: object) -> RefState | None:
 class ThreadData:
     """Per-thread: statistics, the interceptor, and how many open scopes of this thread use it."""
 
-    __slots__ = ("counters", "interceptor", "pushed", "suspended", "thread_id", "users")
+    __slots__ = (
+        "backward_paused",
+        "counters",
+        "interceptor",
+        "pushed",
+        "suspended",
+        "thread_id",
+        "users",
+    )
 
     def __init__(self) -> None:
         self.counters = Counters()
@@ -193,6 +201,8 @@ class ThreadData:
         self.pushed = False
         # Popped for the duration of an optimizer step (see _intercept's NOTE on optimizers).
         self.suspended = False
+        # Popped for the duration of a ref's backward() (see _intercept's NOTE on backward).
+        self.backward_paused = False
         self.thread_id = threading.get_ident()
 
 

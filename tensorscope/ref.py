@@ -194,6 +194,21 @@ class TensorRef(ResidencyMethods, torch.Tensor):
         with _no_dispatch(), _no_subclass_function():
             return torch.Tensor.view_as(self, self)
 
+    def backward(
+        self,
+        gradient: torch.Tensor | None = None,
+        retain_graph: bool | None = None,
+        create_graph: bool = False,
+        inputs: Any = None,
+    ) -> None:
+        """Autograd's ``backward()``, run without the interceptor (see _intercept.py's NOTE on
+        backward): what the engine creates is its own business, at plain-PyTorch speed."""
+        from tensorscope._intercept import backward_unintercepted  # late: it builds on refs
+
+        plain_backward: Any = torch.Tensor.backward
+        with backward_unintercepted():
+            plain_backward(self, gradient, retain_graph, create_graph, inputs)
+
     def detach(self) -> torch.Tensor:
         """Autograd's ``detach()``; outside any scope, the detached alias of a ref is a ref too.
 

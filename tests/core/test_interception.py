@@ -70,11 +70,14 @@ def test_parameters_and_buffers_created_in_a_scope_are_plain_and_survive() -> No
     assert bn.running_var.tolist() == [1.0, 1.0]
 
 
-def test_grads_of_parameters_are_never_owned_and_grads_of_owned_leaves_are() -> None:
+def test_grads_of_parameters_are_never_owned_and_grads_of_owned_leaves_follow_the_leaf() -> None:
     w = nn.Parameter(torch.randn(3))
     with ts.scope() as s:
         x = torch.randn(3, requires_grad=True)
-        (w * x).sum().backward()
+        (w * x).sum().backward()  # a ref's backward runs unintercepted: grads are plain
+        assert type(w.grad) is torch.Tensor and type(x.grad) is torch.Tensor
+        x.grad = None
+        torch.autograd.backward((w * x).sum())  # the engine entered directly: intercepted
         assert type(w.grad) is torch.Tensor
         assert isinstance(x.grad, ts.TensorRef) and x.grad.scope is s
     assert w.grad is not None and w.grad.shape == (3,)
@@ -90,7 +93,7 @@ def test_disposing_a_grad_unlinks_it_so_later_backward_makes_a_fresh_one() -> No
     leaf2 = ts.ref(torch.randn(3, requires_grad=True))
     with ts.scope() as s:
         s.include(leaf2)
-        (leaf2 * 2).sum().backward()
+        torch.autograd.backward((leaf2 * 2).sum())  # intercepted: the grad follows its leaf
         g = leaf2.grad
         assert g is not None and g.scope is s
         s.exclude(leaf2)
