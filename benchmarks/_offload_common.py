@@ -36,6 +36,7 @@ import subprocess
 import sys
 import threading
 import time
+import traceback
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from types import TracebackType
@@ -322,6 +323,19 @@ def emit_result(result: dict[str, Any]) -> None:
     """Called in the worker: the one line the parent parses."""
     sys.stdout.write(RESULT_MARKER + json.dumps(result) + "\n")
     sys.stdout.flush()
+
+
+def worker_main(worker: Callable[[dict[str, Any]], dict[str, Any]], raw: str) -> int:
+    """Body of a ``--worker`` subprocess: run ``worker`` on the JSON config, emit its result."""
+    cfg = json.loads(raw)
+    try:
+        result = worker(cfg)
+    except Exception as exc:
+        traceback.print_exc()
+        emit_result({"variant": cfg.get("variant"), "error": f"{type(exc).__name__}: {exc}"})
+        return 1
+    emit_result(result)
+    return 0
 
 
 def run_worker(script: str, config: dict[str, Any], timeout_s: float) -> WorkerRun:

@@ -39,12 +39,10 @@ round; ``--variants plain,accelerate`` to choose).
 from __future__ import annotations
 
 import argparse
-import json
 import shutil
 import sys
 import tempfile
 import time
-import traceback
 from pathlib import Path
 from typing import Any
 
@@ -184,18 +182,6 @@ def worker(cfg: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def _worker_main(raw: str) -> int:
-    cfg = json.loads(raw)
-    try:
-        result = worker(cfg)
-    except Exception as exc:
-        traceback.print_exc()
-        common.emit_result({"variant": cfg.get("variant"), "error": f"{type(exc).__name__}: {exc}"})
-        return 1
-    common.emit_result(result)
-    return 0
-
-
 # --------------------------------------------------------------------------- parent
 
 
@@ -224,7 +210,7 @@ def main() -> int:
     parser.add_argument("--quick", action="store_true", help="1 warm-up + 1 timed, one round")
     args = parser.parse_args()
     if args.worker is not None:
-        return _worker_main(args.worker)
+        return common.worker_main(worker, args.worker)
     if args.quick:
         args.warmup, args.forwards, args.rounds = 1, 1, 1
     sys.stdout.reconfigure(line_buffering=True)  # type: ignore[union-attr]

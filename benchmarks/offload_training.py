@@ -32,10 +32,8 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import sys
 import time
-import traceback
 from typing import Any
 
 import _offload_common as common
@@ -162,18 +160,6 @@ def worker(cfg: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def _worker_main(raw: str) -> int:
-    cfg = json.loads(raw)
-    try:
-        result = worker(cfg)
-    except Exception as exc:
-        traceback.print_exc()
-        common.emit_result({"variant": cfg.get("variant"), "error": f"{type(exc).__name__}: {exc}"})
-        return 1
-    common.emit_result(result)
-    return 0
-
-
 # --------------------------------------------------------------------------- parent
 
 
@@ -187,7 +173,7 @@ def main() -> int:
     parser.add_argument("--quick", action="store_true", help="3 steps, one round")
     args = parser.parse_args()
     if args.worker is not None:
-        return _worker_main(args.worker)
+        return common.worker_main(worker, args.worker)
     if args.quick:
         args.steps, args.rounds = 3, 1
     if args.steps < 2:

@@ -16,10 +16,10 @@ Example (a policy that never keeps anything it does not need right now):
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Literal, NamedTuple, Protocol, runtime_checkable
 
-__all__ = ["Action", "Entry", "OpView", "Policy", "Snapshot"]
+__all__ = ["Action", "Entry", "OpView", "Policy", "Snapshot", "take_until"]
 
 
 class Entry(NamedTuple):
@@ -31,6 +31,23 @@ class Entry(NamedTuple):
     last_use: int  # manager clock (ops) of its last use; -1 if never used
     next_use: int | None  # predicted op index of its next use in this iteration; None: unknown
     busy: bool  # an operand of the op in flight: must stay on the device
+
+
+def take_until(ranked: Iterable[Entry], needed_bytes: int) -> list[int]:
+    """Keys of ``ranked`` entries, in order, until they add up to ``needed_bytes``.
+
+    Example:
+        >>> take_until([Entry(1, 40, "device", 0, None, False), Entry(2, 40, "device", 0, None,
+        ...             False)], 50)
+        [1, 2]
+    """
+    chosen, freed = [], 0
+    for entry in ranked:
+        if freed >= needed_bytes:
+            break
+        chosen.append(entry.key)
+        freed += entry.nbytes
+    return chosen
 
 
 class Snapshot:

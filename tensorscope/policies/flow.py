@@ -10,7 +10,7 @@ never pushes out something needed sooner.
 
 from __future__ import annotations
 
-from tensorscope.policies.base import Action, Entry, OpView, Snapshot
+from tensorscope.policies.base import Action, Entry, OpView, Snapshot, take_until
 
 __all__ = ["Flow"]
 
@@ -48,13 +48,7 @@ class Flow:
         return idle
 
     def evict(self, snapshot: Snapshot, needed_bytes: int) -> list[int]:
-        chosen, freed = [], 0
-        for entry in self._ranked_victims(snapshot.entries):
-            if freed >= needed_bytes:
-                break
-            chosen.append(entry.key)
-            freed += entry.nbytes
-        return chosen
+        return take_until(self._ranked_victims(snapshot.entries), needed_bytes)
 
     def after_op(self, op: OpView) -> list[Action]:
         snapshot = op.snapshot

@@ -3,7 +3,7 @@ operands and results right after. Least device memory, most traffic."""
 
 from __future__ import annotations
 
-from tensorscope.policies.base import Action, OpView, Snapshot
+from tensorscope.policies.base import Action, OpView, Snapshot, take_until
 
 __all__ = ["Genoa"]
 
@@ -23,13 +23,7 @@ class Genoa:
     def evict(self, snapshot: Snapshot, needed_bytes: int) -> list[int]:
         # Everything idle goes, least recently used first.
         idle = sorted((e for e in snapshot.entries if not e.busy), key=lambda e: e.last_use)
-        chosen, freed = [], 0
-        for entry in idle:
-            if freed >= needed_bytes:
-                break
-            chosen.append(entry.key)
-            freed += entry.nbytes
-        return chosen
+        return take_until(idle, needed_bytes)
 
     def after_op(self, op: OpView) -> list[Action]:
         seen: dict[int, None] = dict.fromkeys((*op.operands, *op.results))
