@@ -148,9 +148,9 @@ class Movers:
         storage = placement.storage
         if placement.region is None:
             self.migrated_bytes += placement.nbytes
-            region = self.disk.allocate(placement.nbytes)  # may raise: nothing changed yet
+            # May raise (disk full): nothing has changed yet.
+            region = self.disk.store(storage.data_ptr(), placement.nbytes)
             mapped = region.storage()
-            mapped.copy_(storage)
             swap_in(storage, mapped)  # the storage's memory is now the mapped file
             placement.region = region
             del mapped  # the old heap memory goes back to the allocator here

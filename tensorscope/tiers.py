@@ -3,15 +3,21 @@
 A tier holds the bytes of a managed storage (a :class:`~tensorscope.residency.Placement`) and
 gives them back; the manager decides which tier a placement should be on, tiers only move bytes.
 
-# NOTE [disk tier: mapped, unnamed, preallocated files]
+# NOTE [disk tier: mapped, unnamed files]
 # Each region of the disk tier is an unnamed file (``O_TMPFILE``, or a name unlinked at once)
-# under ``offload_dir``, preallocated with ``posix_fallocate`` (a full disk fails here, before any
-# data moves) and memory-mapped shared. Files never outlive the process: they have no name.
+# under ``offload_dir``, memory-mapped shared. Files never outlive the process: they have no
+# name. A region is either written once through the file (``DiskTier.store``: the first demotion
+# of a CPU tensor; a full disk fails the write before anything moved) or reserved with
+# ``posix_fallocate`` and written through the mapping (``DiskTier.allocate``: CUDA copies; a
+# full disk fails the reservation, never a store into the mapping).
 # On a CPU device the mapping *is* the tensor's memory once demoted: its storage's data pointer is
 # swapped to the mapping (``UntypedStorage._swap_data_ptr_``), so identity, views and autograd's
 # saved tensors are untouched. Demoting drops the pages (``MADV_DONTNEED``: RSS falls, the bytes
 # stay in the page cache and the file, written back without fsync); promoting maps them again
-# (``MADV_POPULATE_WRITE``: ~35 ms per 512 MiB from the page cache, no copy, no allocation).
+# (``MADV_POPULATE_READ``/``_WRITE``, no copy, no allocation). Written with ``pwrite``, the file
+# gets large page-cache folios where the file system supports them, and mappings of 2 MiB or
+# more are 2 MiB-aligned by the kernel, so promoting maps 2 MiB per entry: 512 MiB in 0.4 ms
+# from the page cache here, against ~35 ms with 4 KiB entries.
 # A read of a demoted tensor that tensorscope did not intercept just faults the pages in: on a CPU
 # device nothing can read freed memory. Copying into freshly allocated tensors instead would
 # fragment glibc's heap (measured: RSS far above the live bytes).
@@ -62,6 +68,7 @@ TierName = Literal["device", "host", "disk"]
 TIER_ORDER: tuple[TierName, ...] = ("device", "host", "disk")
 
 _PAGE = mmap.PAGESIZE
+_WRITE_CHUNK = 64 << 20  # bytes per pwrite call
 _MADV_DONTNEED = 4
 _MADV_REMOVE = 9
 _MADV_POPULATE_READ = 22
@@ -70,6 +77,10 @@ _MADV_POPULATE_WRITE = 23
 _libc = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
 _libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
 _libc.madvise.restype = ctypes.c_int
+
+
+def _page_round(nbytes: int) -> int:
+    return max(_PAGE, (nbytes + _PAGE - 1) // _PAGE * _PAGE)
 
 
 class Tier(Protocol):
@@ -144,7 +155,7 @@ class DiskRegion:
 
     def __init__(self, fd: int, nbytes: int) -> None:
         self.nbytes = nbytes
-        self.length = max(_PAGE, (nbytes + _PAGE - 1) // _PAGE * _PAGE)
+        self.length = _page_round(nbytes)
         self._fd = fd
         self._map = mmap.mmap(fd, self.length, flags=mmap.MAP_SHARED)
         self._view: memoryview | None = memoryview(self._map)[:nbytes]
@@ -235,30 +246,61 @@ class DiskTier:
         return fd
 
     def allocate(self, nbytes: int) -> DiskRegion:
-        """A new region of ``nbytes``; ``ResidencyError`` if the disk is full or unwritable."""
-        length = max(_PAGE, (nbytes + _PAGE - 1) // _PAGE * _PAGE)
-        try:
-            fd = self._open()
-        except OSError as exc:
-            raise ResidencyError(
-                f"tensorscope.residency: cannot create an offload file in {self.directory!r}: "
-                f"{exc.strerror}. Check that offload_dir exists and is writable."
-            ) from exc
+        """A new region of ``nbytes``, reserved on disk (``posix_fallocate``) so that writes
+        through its mapping cannot fail later; ``ResidencyError`` if the disk is full."""
+        length = _page_round(nbytes)
+        fd = self._new_file()
         try:
             os.posix_fallocate(fd, 0, length)
             return DiskRegion(fd, nbytes)
         except OSError as exc:
             os.close(fd)
-            if exc.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
-                raise ResidencyError(
-                    f"tensorscope.residency: the disk tier is full: cannot reserve "
-                    f"{format_bytes(length)} in {self.directory!r} ({exc.strerror}). Free space, "
-                    "point offload_dir at a larger disk, or raise the device budget."
-                ) from exc
+            raise self._write_error(exc, length) from exc
+
+    def store(self, address: int, nbytes: int) -> DiskRegion:
+        """A new region holding a copy of the ``nbytes`` at ``address``, written through the
+        file (``pwrite``), not the mapping.
+
+        Written this way the file system can build large page-cache folios (ext4 since Linux
+        6.16, XFS, ...): promotions then map 2 MiB at a time. Measured here (Linux 6.18, ext4):
+        populating 512 MiB took 3.7 ms when written through the mapping and 0.4 ms when written
+        with ``pwrite``; without ``posix_fallocate`` first, which turned 4.6 GB/s of writing
+        into 0.4-0.6 GB/s. A full disk fails the write: nothing has moved yet.
+        """
+        length = _page_round(nbytes)
+        fd = self._new_file()
+        try:
+            source = memoryview((ctypes.c_char * nbytes).from_address(address)).cast("B")
+            done = 0
+            while done < nbytes:  # pwrite may write less than asked (a signal, a file limit)
+                done += os.pwrite(fd, source[done : done + _WRITE_CHUNK], done)
+            if length > nbytes:
+                os.ftruncate(fd, length)  # the mapping's last page lies inside the file
+            return DiskRegion(fd, nbytes)
+        except OSError as exc:
+            os.close(fd)
+            raise self._write_error(exc, length) from exc
+
+    def _new_file(self) -> int:
+        try:
+            return self._open()
+        except OSError as exc:
             raise ResidencyError(
-                f"tensorscope.residency: cannot reserve {format_bytes(length)} in "
-                f"{self.directory!r}: {exc.strerror}."
+                f"tensorscope.residency: cannot create an offload file in {self.directory!r}: "
+                f"{exc.strerror}. Check that offload_dir exists and is writable."
             ) from exc
+
+    def _write_error(self, exc: OSError, length: int) -> ResidencyError:
+        if exc.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
+            return ResidencyError(
+                f"tensorscope.residency: the disk tier is full: cannot write "
+                f"{format_bytes(length)} in {self.directory!r} ({exc.strerror}). Free space, "
+                "point offload_dir at a larger disk, or raise the device budget."
+            )
+        return ResidencyError(
+            f"tensorscope.residency: cannot write {format_bytes(length)} in "
+            f"{self.directory!r}: {exc.strerror}."
+        )
 
     def close(self) -> None:
         """Remove the private directory (files have no names, so nothing else is left)."""
