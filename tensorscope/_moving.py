@@ -55,6 +55,19 @@ class Moving(Ledger):
                 if placement.region is not None:
                     placement.region.flush()
 
+    def back_with_files(self, uids: set[int]) -> None:
+        """CPU device: move the heap memory of these device-resident placements into mapped
+        disk regions (``Movers.back_with_file``); a full disk leaves them where they are."""
+        if self._device.type != "cpu":
+            return
+        movers = self._movers()
+        for placement in list(self._resident.values()):
+            if placement.uid in uids:
+                try:
+                    movers.back_with_file(placement)
+                except ResidencyError:
+                    return  # no room on disk: they stay in heap memory, which works too
+
     def release_heap(self, threshold: int = 64 << 20) -> None:
         """Return heap memory freed by first demotions to the OS once enough has piled up."""
         mover = self._mover

@@ -145,18 +145,31 @@ class Movers:
         return time.perf_counter() - start
 
     def _to_disk_cpu(self, placement: Placement) -> None:
+        region = placement.region or self._move_into_file(placement)
+        # Dropped here, synchronously: RSS must fall when the budget says so, and a queued drop
+        # would delay the prefetches behind it (measured: both got worse).
+        region.drop(placement.storage.data_ptr())
+
+    def _move_into_file(self, placement: Placement) -> DiskRegion:
+        """CPU device: copy a storage's heap bytes into a new disk region and make the mapping
+        its memory (the heap memory goes back to the allocator). Raises before changing
+        anything if the disk is full."""
         storage = placement.storage
-        if placement.region is None:
-            self.migrated_bytes += placement.nbytes
-            # May raise (disk full): nothing has changed yet.
-            region = self.disk.store(storage.data_ptr(), placement.nbytes)
-            mapped = region.storage()
-            swap_in(storage, mapped)  # the storage's memory is now the mapped file
-            placement.region = region
-            del mapped  # the old heap memory goes back to the allocator here
-        # Dropped here, synchronously (~12 GB/s): RSS must fall when the budget says so, and a
-        # queued drop would delay the prefetches behind it (measured: both got worse).
-        placement.region.drop(storage.data_ptr())
+        region = self.disk.store(storage.data_ptr(), placement.nbytes)
+        mapped = region.storage()
+        swap_in(storage, mapped)  # the storage's memory is now the mapped file
+        placement.region = region
+        self.migrated_bytes += placement.nbytes
+        return region
+
+    def back_with_file(self, placement: Placement) -> None:
+        """CPU device: give a device-resident placement file-backed memory now, mapped (it
+        stays resident). Later moves of it then only map and drop pages."""
+        if not self.device.is_cpu or placement.region is not None or placement.tier != "device":
+            return
+        with _quiet():
+            region = self._move_into_file(placement)
+            region.populate(placement.storage.data_ptr(), write=placement.written)
 
     def _release_device(self, placement: Placement) -> None:
         if self.device.device.type == "cuda":

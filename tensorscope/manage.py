@@ -131,20 +131,22 @@ class ManagedModule:
 def manage(module: nn.Module, *, manager: ResidencyManager | None = None) -> ManagedModule:
     """Put ``module``'s parameters and buffers under the residency manager, in place.
 
-    They start on the device tier; what does not fit the budget is demoted at once. Use the
+    They start on the device tier; what does not fit the budget is demoted at once. On a CPU
+    device every one of them moves into the disk tier's files (those that fit stay mapped,
+    resident), so their heap memory is released now. Use the
     module from the thread that called ``manage`` (its ops are intercepted there; on a CPU device
     other threads still read correct data, only unaccounted).
 
     Example:
         >>> import torch, tensorscope as ts
-        >>> ts.residency.configure(device="cpu", policy="flow", budget="1MiB")
-        >>> model = torch.nn.Linear(512, 512)  # 1 MiB of weights
-        >>> handle = ts.manage(model)
-        >>> model.weight.tier
-        'disk'
+        >>> ts.residency.configure(device="cpu", policy="flow", budget="1.5MiB")
+        >>> model = torch.nn.Sequential(torch.nn.Linear(512, 512), torch.nn.Linear(512, 512))
+        >>> handle = ts.manage(model)  # 2 MiB of weights: one weight fits
+        >>> [layer.weight.tier for layer in model]
+        ['disk', 'device']
         >>> model(torch.ones(1, 512)).shape
         torch.Size([1, 512])
-        >>> handle.remove(); type(model.weight).__name__
+        >>> handle.remove(); type(model[0].weight).__name__
         'Parameter'
     """
     if not isinstance(module, nn.Module):
@@ -170,7 +172,11 @@ def manage(module: nn.Module, *, manager: ResidencyManager | None = None) -> Man
             handle._add(buffer, f"buffer:{name}")
         with manager._lock:
             manager._make_room(0, "ts.manage()")
-            manager.release_heap(threshold=0)  # the weights' old heap memory goes back now
+            # On a CPU device the weights that stay resident move into the disk tier's files
+            # too (still mapped): all of their old heap memory goes back to the OS now, rather
+            # than during the first forward, where it would interleave with activations.
+            manager.back_with_files(handle._groups)
+            manager.release_heap(threshold=0)
         manager.flush_disk()  # their copies reach the disk now, not during the first steps
     except BaseException:
         handle.remove()

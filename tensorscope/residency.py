@@ -92,7 +92,7 @@ class ResidencyManager(OpPath):
         >>> import torch, tensorscope as ts
         >>> ts.residency.configure(device="cpu", policy="genoa", budget="64MiB")
         >>> t = ts.ref(torch.ones(1024))
-        >>> t.demote(); t.tier
+        >>> t.demote().tier
         'disk'
         >>> (t + 1).sum().item(), t.tier
         (2048.0, 'disk')

@@ -43,6 +43,43 @@ def test_managed_module_as_a_context_manager_and_repr() -> None:
     assert handle.removed and type(model.weight) is nn.Parameter
 
 
+def _file_mappings() -> list[tuple[int, int]]:
+    """Address ranges of this process's shared file mappings (Linux /proc/self/maps)."""
+    ranges = []
+    with open("/proc/self/maps") as maps:
+        for line in maps:
+            fields = line.split()
+            if len(fields) >= 6 and fields[1][3] == "s" and fields[4] != "0":
+                start, end = (int(x, 16) for x in fields[0].split("-"))
+                ranges.append((start, end))
+    return ranges
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/maps")
+def test_manage_on_cpu_moves_every_weight_into_a_file_mapping_resident_or_not() -> None:
+    # The weights kept resident move too, so that their heap memory is released at manage()
+    # rather than during the first forward; later moves only map and drop pages.
+    model = nn.Sequential(nn.Linear(256, 256), nn.Linear(256, 256), nn.Linear(256, 256))
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    ts.residency.configure(policy="flow", budget="600KiB")  # two of the three weights fit
+    handle = ts.manage(model)
+    tiers = [layer.weight.tier for layer in model]
+    assert tiers.count("device") == 2 and tiers.count("disk") == 1
+    mappings = _file_mappings()
+    for param in model.parameters():
+        address = param.untyped_storage().data_ptr()
+        assert any(start <= address < end for start, end in mappings), param.shape
+    for key, value in model.state_dict().items():
+        assert torch.equal(value, before[key])
+    out = model(torch.ones(2, 256))
+    handle.remove()
+    assert torch.equal(out, model(torch.ones(2, 256)))
+    mappings = _file_mappings()  # remove() gives ordinary memory back
+    for param in model.parameters():
+        address = param.untyped_storage().data_ptr()
+        assert not any(start <= address < end for start, end in mappings)
+
+
 EXIT_SCRIPT = r"""
 import torch, tensorscope as ts
 t = ts.ref(torch.ones(1024))
