@@ -87,8 +87,14 @@ class Ledger:
         if self._by_role.get(placement.role) is placement:
             del self._by_role[placement.role]
         self._account(placement.tier, -placement.nbytes)
-        if placement.region is not None:
-            placement.region.close()
+        region = placement.region
+        if region is not None:
+            placement.region = None
+            if self._disk is not None:
+                # Nothing uses its memory any more (the storage died, or has device memory).
+                self._disk.release(region, reusable=True)
+            else:
+                region.close()
 
     def unregister(self, placement: Placement) -> None:
         """Stop managing: the bytes go back to ordinary device memory."""

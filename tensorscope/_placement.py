@@ -245,7 +245,7 @@ class Movers:
                         stacklevel=4,
                     )
                 swap_in(placement.storage, fresh)
-                region.close()
+                self.disk.release(region, reusable=False)
                 placement.region = None
         else:
             self.promote(placement)

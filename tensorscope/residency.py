@@ -194,8 +194,8 @@ class ResidencyManager(OpPath):
             return
         if any(p.region is not None for p in self._placements.values()):
             raise ResidencyError(
-                "tensorscope.residency: cannot change offload_dir while data lives on the disk "
-                "tier; promote or remove() those tensors first."
+                "tensorscope.residency: cannot change offload_dir while managed tensors live in "
+                "its files; remove() them (handle.remove(), or let them die) first."
             )
         disk = DiskTier(wanted)  # raises ResidencyError if it cannot be created or written
         if self._disk is not None:

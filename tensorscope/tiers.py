@@ -41,6 +41,7 @@ import shutil
 import tempfile
 import threading
 import weakref
+from collections.abc import Callable
 from typing import Literal, Protocol
 
 import torch
@@ -69,6 +70,7 @@ TIER_ORDER: tuple[TierName, ...] = ("device", "host", "disk")
 
 _PAGE = mmap.PAGESIZE
 _WRITE_CHUNK = 64 << 20  # bytes per pwrite call
+_POOL_MIN_BYTES = 64 << 20  # pooled regions may always hold this much (see DiskTier.release)
 _MADV_DONTNEED = 4
 _MADV_REMOVE = 9
 _MADV_POPULATE_READ = 22
@@ -151,7 +153,7 @@ def swap_in(storage: torch.UntypedStorage, source: torch.UntypedStorage) -> None
 class DiskRegion:
     """A preallocated, memory-mapped range of an unnamed file holding one storage's bytes."""
 
-    __slots__ = ("__weakref__", "_fd", "_map", "_view", "length", "nbytes")
+    __slots__ = ("__weakref__", "_fd", "_map", "_view", "address", "length", "nbytes")
 
     def __init__(self, fd: int, nbytes: int) -> None:
         self.nbytes = nbytes
@@ -159,12 +161,24 @@ class DiskRegion:
         self._fd = fd
         self._map = mmap.mmap(fd, self.length, flags=mmap.MAP_SHARED)
         self._view: memoryview | None = memoryview(self._map)[:nbytes]
+        anchor = ctypes.c_char.from_buffer(self._map)
+        self.address = ctypes.addressof(anchor)  # where the mapping starts
+        del anchor  # (an exported buffer would keep the mapping from ever closing)
 
     def storage(self) -> torch.UntypedStorage:
         """A storage whose memory is this region (it keeps the mapping alive while it lives)."""
         if self._view is None:
             raise ResidencyError("tensorscope.residency: internal error: region already closed")
         return ORIGINAL_FROMBUFFER(self._view, dtype=torch.uint8).untyped_storage()
+
+    def write(self, address: int) -> None:
+        """Write the ``nbytes`` at ``address`` into the file (``pwrite``, not the mapping)."""
+        if self._fd < 0:
+            raise ResidencyError("tensorscope.residency: internal error: region already closed")
+        source = memoryview((ctypes.c_char * self.nbytes).from_address(address)).cast("B")
+        done = 0
+        while done < self.nbytes:  # pwrite may write less than asked (a signal, a file limit)
+            done += os.pwrite(self._fd, source[done : done + _WRITE_CHUNK], done)
 
     def intact(self) -> bool:
         """Whether the backing file still covers the region (it could have been truncated)."""
@@ -193,9 +207,14 @@ class DiskRegion:
             os.close(fd)
         self._view = None
 
-    def __del__(self) -> None:
-        if self._fd >= 0:
-            os.close(self._fd)
+    def __del__(self, _close: Callable[[int], None] = os.close) -> None:
+        # (os.close bound at definition: module globals may be gone at interpreter shutdown)
+        fd = getattr(self, "_fd", -1)
+        if fd >= 0:
+            try:  # noqa: SIM105 (no contextlib at interpreter shutdown either)
+                _close(fd)
+            except OSError:
+                pass
 
 
 class DiskTier:
@@ -226,11 +245,15 @@ class DiskTier:
                     "for a private temporary one."
                 ) from exc
         self._finalizer = weakref.finalize(self, _remove_private_dir, self.directory, self.private)
+        # Regions whose storage died, kept for the next storage of the same size (see release).
+        self._pool: dict[int, list[DiskRegion]] = {}
+        self.pooled_bytes = 0
+        self.live_bytes = 0  # bytes of the regions handed out and not released
         self.check_writable()
 
     def check_writable(self) -> None:
         """Create, preallocate and drop one page: fails now rather than on the first demotion."""
-        self.allocate(_PAGE).close()
+        self.release(self.allocate(_PAGE), reusable=False)
 
     def _open(self) -> int:
         flags = os.O_RDWR | getattr(os, "O_CLOEXEC", 0)
@@ -248,18 +271,23 @@ class DiskTier:
     def allocate(self, nbytes: int) -> DiskRegion:
         """A new region of ``nbytes``, reserved on disk (``posix_fallocate``) so that writes
         through its mapping cannot fail later; ``ResidencyError`` if the disk is full."""
+        region = self._take_pooled(nbytes)
+        if region is not None:
+            return region  # its blocks were written before: stores through the mapping are safe
         length = _page_round(nbytes)
         fd = self._new_file()
         try:
             os.posix_fallocate(fd, 0, length)
-            return DiskRegion(fd, nbytes)
+            region = DiskRegion(fd, nbytes)
         except OSError as exc:
             os.close(fd)
             raise self._write_error(exc, length) from exc
+        self.live_bytes += region.length
+        return region
 
     def store(self, address: int, nbytes: int) -> DiskRegion:
-        """A new region holding a copy of the ``nbytes`` at ``address``, written through the
-        file (``pwrite``), not the mapping.
+        """A region holding a copy of the ``nbytes`` at ``address``, written through the file
+        (``pwrite``), not the mapping; a pooled region of that size is reused if there is one.
 
         Written this way the file system can build large page-cache folios (ext4 since Linux
         6.16, XFS, ...): promotions then map 2 MiB at a time. Measured here (Linux 6.18, ext4):
@@ -267,19 +295,50 @@ class DiskTier:
         with ``pwrite``; without ``posix_fallocate`` first, which turned 4.6 GB/s of writing
         into 0.4-0.6 GB/s. A full disk fails the write: nothing has moved yet.
         """
-        length = _page_round(nbytes)
-        fd = self._new_file()
+        region = self._take_pooled(nbytes)
+        if region is None:
+            length = _page_round(nbytes)
+            fd = self._new_file()
+            try:
+                os.ftruncate(fd, length)  # sparse until written: the mapping covers the file
+                region = DiskRegion(fd, nbytes)
+            except OSError as exc:
+                os.close(fd)
+                raise self._write_error(exc, length) from exc
+            self.live_bytes += region.length
         try:
-            source = memoryview((ctypes.c_char * nbytes).from_address(address)).cast("B")
-            done = 0
-            while done < nbytes:  # pwrite may write less than asked (a signal, a file limit)
-                done += os.pwrite(fd, source[done : done + _WRITE_CHUNK], done)
-            if length > nbytes:
-                os.ftruncate(fd, length)  # the mapping's last page lies inside the file
-            return DiskRegion(fd, nbytes)
+            region.write(address)
         except OSError as exc:
-            os.close(fd)
-            raise self._write_error(exc, length) from exc
+            self.release(region, reusable=False)
+            raise self._write_error(exc, region.length) from exc
+        return region
+
+    def release(self, region: DiskRegion, reusable: bool) -> None:
+        """A region no storage uses any more: pooled for the next storage of its size when
+        ``reusable`` (its pages dropped from this process first), else closed.
+
+        Training makes new gradients every step, each the size of the last one: reusing their
+        regions replaces a new file, new page-cache memory and a write to fresh blocks by an
+        overwrite of cached pages. The pool holds at most as many bytes as the live regions
+        (64 MiB at least), so it never more than doubles the files' size.
+        """
+        self.live_bytes -= region.length
+        limit = max(_POOL_MIN_BYTES, self.live_bytes)
+        if reusable and region.intact() and self.pooled_bytes + region.length <= limit:
+            region.drop(region.address)
+            self._pool.setdefault(region.nbytes, []).append(region)
+            self.pooled_bytes += region.length
+        else:
+            region.close()
+
+    def _take_pooled(self, nbytes: int) -> DiskRegion | None:
+        regions = self._pool.get(nbytes)
+        if not regions:
+            return None
+        region = regions.pop()
+        self.pooled_bytes -= region.length
+        self.live_bytes += region.length
+        return region
 
     def _new_file(self) -> int:
         try:
@@ -303,7 +362,13 @@ class DiskTier:
         )
 
     def close(self) -> None:
-        """Remove the private directory (files have no names, so nothing else is left)."""
+        """Close pooled regions and remove the private directory (files have no names, so
+        nothing else is left)."""
+        for regions in self._pool.values():
+            for region in regions:
+                region.close()
+        self._pool.clear()
+        self.pooled_bytes = 0
         self._finalizer()
 
 

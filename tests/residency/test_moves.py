@@ -154,3 +154,62 @@ def test_device_can_be_assigned_like_the_seed() -> None:
     assert ts.residency.device == torch.device("cpu")
     with pytest.raises(ts.InvalidArgumentError):
         ts.residency.device = "tpu"
+
+
+def test_a_dead_storages_offload_file_is_reused_by_the_next_of_its_size(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from tensorscope import tiers
+
+    tier = tiers.DiskTier(None)
+    try:
+        first = torch.arange(2048, dtype=torch.float32)
+        region = tier.store(first.data_ptr(), first.nbytes)
+        assert tier.live_bytes == region.length and tier.pooled_bytes == 0
+        tier.release(region, reusable=True)
+        assert tier.pooled_bytes == region.length and tier.live_bytes == 0
+        other_size = torch.ones(1024)
+        assert tier.store(other_size.data_ptr(), other_size.nbytes) is not region
+        second = torch.full((2048,), 7.0)
+        again = tier.store(second.data_ptr(), second.nbytes)
+        assert again is region and tier.pooled_bytes == 0  # same file, new bytes
+        assert torch.equal(torch.frombuffer(region._view, dtype=torch.float32), second)
+        # The pool never holds more than the live regions (or its small floor).
+        monkeypatch.setattr(tiers, "_POOL_MIN_BYTES", 0)
+        tier.release(again, reusable=True)
+        assert tier.pooled_bytes <= tier.live_bytes
+    finally:
+        tier.close()
+
+
+def test_training_steps_reuse_the_gradients_offload_files(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from tensorscope import tiers
+
+    created: list[int] = []
+    new_file = tiers.DiskTier._new_file
+
+    def counting(self: tiers.DiskTier) -> int:
+        created.append(1)
+        return new_file(self)
+
+    monkeypatch.setattr(tiers.DiskTier, "_new_file", counting)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(64, 64) for _ in range(6)])
+    ts.residency.configure(policy="flow", budget="96KiB")  # weights + grads + Adam: ~300 KiB
+    handle = ts.manage(model)
+    opt = torch.optim.Adam(model.parameters())
+    x = torch.randn(8, 64)
+    per_step = []
+    for _ in range(6):
+        before = len(created)
+        with ts.scope():
+            opt.zero_grad()  # grads die: new ones, of the same sizes, every step
+            model(x).square().mean().backward()
+            opt.step()
+        per_step.append(len(created) - before)
+    # The first steps create files (optimizer state, first grads); later grads reuse them.
+    assert per_step[0] > 0 and sum(per_step[3:]) == 0, per_step
+    assert ts.residency.report().peak_bytes <= 96 * 1024
+    handle.remove()
