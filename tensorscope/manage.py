@@ -131,9 +131,9 @@ class ManagedModule:
 def manage(module: nn.Module, *, manager: ResidencyManager | None = None) -> ManagedModule:
     """Put ``module``'s parameters and buffers under the residency manager, in place.
 
-    They start on the device tier; what does not fit the budget is demoted at once. On a CPU
-    device every one of them moves into the disk tier's files (those that fit stay mapped,
-    resident), so their heap memory is released now. Use the
+    They start on the device tier; what does not fit the budget is demoted at once. Under a
+    budget on a CPU device every one of them moves into the disk tier's files (those that fit
+    stay mapped, resident), so their heap memory is released now. Use the
     module from the thread that called ``manage`` (its ops are intercepted there; on a CPU device
     other threads still read correct data, only unaccounted).
 
@@ -172,10 +172,11 @@ def manage(module: nn.Module, *, manager: ResidencyManager | None = None) -> Man
             handle._add(buffer, f"buffer:{name}")
         with manager._lock:
             manager._make_room(0, "ts.manage()")
-            # On a CPU device the weights that stay resident move into the disk tier's files
-            # too (still mapped): all of their old heap memory goes back to the OS now, rather
-            # than during the first forward, where it would interleave with activations.
-            manager.back_with_files(handle._groups)
+            # Under a budget on a CPU device, the weights that stay resident move into the disk
+            # tier's files too (still mapped): all of their old heap memory goes back to the OS
+            # now, rather than during the first forward, interleaved with activations.
+            if manager.budget_bytes is not None:
+                manager.back_with_files(handle._groups)
             manager.release_heap(threshold=0)
         manager.flush_disk()  # their copies reach the disk now, not during the first steps
     except BaseException:
