@@ -32,8 +32,13 @@ Targets (issue): tensorscope's peak RSS above the baseline ≤ budget + activati
 weights), logits allclose to plain, Flow ≤ 1.3x plain's time per forward. Missed targets are
 reported, not fatal: the exit status is non-zero only on errors.
 
+``--cold`` evicts the offload files from the page cache before every forward
+(``posix_fadvise(DONTNEED)`` on every file the process has open under its offload directory),
+as if the model did not fit in RAM: every forward reads what is not resident from the disk.
+This is where prefetching (Flow) should pay against reading on demand (Genoa, accelerate).
+
 Run: ``python benchmarks/offload_inference.py`` (``--quick`` for 1 warm-up + 1 timed forward, one
-round; ``--variants plain,accelerate`` to choose).
+round; ``--variants plain,accelerate`` to choose; ``--cold`` as above).
 """
 
 from __future__ import annotations
@@ -78,6 +83,38 @@ def _build_model() -> Any:
     return GPT2LMHeadModel(GPT2Config(**MODEL_CONFIG)).eval()
 
 
+def _evict_page_cache(directory: str) -> int:
+    """Drop the clean page cache of every file this process has open under ``directory``
+    (tensorscope's files have no names: they are found through /proc/self/fd). Pages mapped
+    in this process stay; returns how many files were advised."""
+    import os
+
+    prefix = os.path.realpath(directory) + os.sep
+    advised = 0
+    for name in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{name}")
+            if target.startswith(prefix):
+                os.posix_fadvise(int(name), 0, 0, os.POSIX_FADV_DONTNEED)
+                advised += 1
+        except OSError:
+            pass
+    return advised
+
+
+def _evict_named_files(directory: str) -> None:
+    """Drop the clean page cache of every file under ``directory`` (by name)."""
+    import os
+
+    for root, _dirs, files in os.walk(directory):
+        for file in files:
+            fd = os.open(os.path.join(root, file), os.O_RDONLY)
+            try:
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)
+
+
 def worker(cfg: dict[str, Any]) -> dict[str, Any]:
     import torch
 
@@ -119,7 +156,9 @@ def worker(cfg: dict[str, Any]) -> dict[str, Any]:
         offload_dir = tempfile.mkdtemp(prefix="offload-bench-accelerate-")
         disk_offload(model, offload_dir, execution_device="cpu")
     elif ts is not None:
-        ts.residency.configure(device="cpu", policy=variant, budget=budget, offload_dir=None)
+        # A known directory only when --cold must find the files (else the private default).
+        offload_dir = tempfile.mkdtemp(prefix="offload-bench-ts-") if cfg["cold"] else None
+        ts.residency.configure(device="cpu", policy=variant, budget=budget, offload_dir=offload_dir)
         handle = ts.manage(model)
         out["budget_bytes"] = budget
         # Peaks and transfers of manage() itself, then restart them for the forwards.
@@ -139,6 +178,11 @@ def worker(cfg: dict[str, Any]) -> dict[str, Any]:
     try:
         with torch.no_grad():
             for i in range(cfg["warmup"] + cfg["forwards"]):
+                if cfg["cold"] and offload_dir is not None:
+                    if variant == "accelerate":  # numpy memmaps, opened per access: by name
+                        _evict_named_files(offload_dir)
+                    else:
+                        _evict_page_cache(offload_dir)
                 sampler = common.PeakSampler(interval_s=0.002)
                 with sampler, common.Window() as window:
                     logits = model(input_ids=input_ids, use_cache=False).logits
@@ -209,6 +253,12 @@ def main() -> int:
         "and predicts from the second: timed forwards measure the steady state)",
     )
     parser.add_argument("--quick", action="store_true", help="1 warm-up + 1 timed, one round")
+    parser.add_argument(
+        "--cold",
+        action="store_true",
+        help="evict the offload files from the page cache before every forward (a model that "
+        "does not fit in RAM: every forward reads from the disk)",
+    )
     args = parser.parse_args()
     if args.worker is not None:
         return common.worker_main(worker, args.worker)
@@ -224,6 +274,11 @@ def main() -> int:
     print(
         f"offload inference: GPT2LMHeadModel {MODEL_CONFIG} random weights (seed {MODEL_SEED}), "
         f"batch 1 x {args.seq_len} tokens, no_grad, use_cache=False"
+        + (
+            "; COLD: offload files evicted from the page cache before every forward"
+            if args.cold
+            else ""
+        )
     )
     print(
         f"torch {torch.__version__}, {args.threads} threads; {ts_line}; "
@@ -243,6 +298,7 @@ def main() -> int:
             "forwards": args.forwards,
             "threads": args.threads,
             "logits_path": str(tmp / f"{variant}-{round_index}.pt"),
+            "cold": args.cold,
         }
 
     try:

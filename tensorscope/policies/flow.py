@@ -25,7 +25,10 @@ class Flow:
     """Belady eviction with the previous iteration as the oracle, plus prefetching.
 
     Args:
-        prefetch_limit: at most this many placements prefetched after one op.
+        prefetch_limit: at most this many placements prefetched after one op. 4 by default:
+            with the page cache cold (a model larger than RAM) GPT-2-medium at a 25% budget
+            ran 1.60 s/forward with 2 and 1.12-1.36 s with 4 (the disk always has the next
+            reads queued); with a warm page cache the two are within noise.
 
     Example:
         >>> from tensorscope.policies.base import Entry, Snapshot
@@ -38,7 +41,7 @@ class Flow:
     name = "flow"
     wants_snapshot_after_op = True
 
-    def __init__(self, prefetch_limit: int = 2) -> None:
+    def __init__(self, prefetch_limit: int = 4) -> None:
         self.prefetch_limit = prefetch_limit
 
     def _ranked_victims(self, entries: tuple[Entry, ...]) -> list[Entry]:
