@@ -151,7 +151,7 @@ def swap_in(storage: torch.UntypedStorage, source: torch.UntypedStorage) -> None
 
 
 class DiskRegion:
-    """A preallocated, memory-mapped range of an unnamed file holding one storage's bytes."""
+    """A memory-mapped unnamed file holding one storage's bytes."""
 
     __slots__ = ("__weakref__", "_fd", "_map", "_view", "address", "length", "nbytes")
 
