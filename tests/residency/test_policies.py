@@ -55,6 +55,13 @@ def test_flow_prefetches_into_headroom_then_only_past_farther_entries() -> None:
     assert actions == [Action("prefetch", 7), Action("demote", 1), Action("prefetch", 8)]
 
 
+def test_flow_prefetches_at_most_prefetch_limit_placements_after_an_op() -> None:
+    upcoming = tuple(Entry(k, 10, "disk", 0, k, False) for k in range(10, 16))
+    snap = Snapshot(1000, 0, 1, (), upcoming)  # room for all six
+    assert [a.key for a in Flow().after_op(OpView("mm", (), (), snap))] == [10, 11, 12, 13]
+    assert [a.key for a in Flow(prefetch_limit=1).after_op(OpView("mm", (), (), snap))] == [10]
+
+
 def test_flow_without_a_prediction_does_nothing_after_ops() -> None:
     assert Flow().after_op(OpView("mm", (1,), (2,), Snapshot(10, 0, 0, ()))) == []
 
