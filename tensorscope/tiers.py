@@ -169,6 +169,8 @@ class DiskRegion:
         """A storage whose memory is this region (it keeps the mapping alive while it lives)."""
         if self._view is None:
             raise ResidencyError("tensorscope.residency: internal error: region already closed")
+        if self.nbytes == 0:  # frombuffer refuses empty buffers; there are no bytes to map
+            return new_storage(0)
         return ORIGINAL_FROMBUFFER(self._view, dtype=torch.uint8).untyped_storage()
 
     def write(self, address: int) -> None:

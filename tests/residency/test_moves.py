@@ -213,3 +213,18 @@ def test_training_steps_reuse_the_gradients_offload_files(
     assert per_step[0] > 0 and sum(per_step[3:]) == 0, per_step
     assert ts.residency.report().peak_bytes <= 96 * 1024
     handle.remove()
+
+
+def test_empty_tensors_move_and_empty_parameters_are_managed() -> None:
+    t = ts.ref(torch.ones(0))
+    t.demote()
+    assert t.tier == "disk" and t.shape == (0,)
+    t.promote()
+    assert t.tier == "device"
+    model = torch.nn.Linear(64, 64)
+    model.register_parameter("empty", torch.nn.Parameter(torch.empty(0, 64)))
+    expected = model(torch.ones(2, 64))
+    ts.residency.configure(budget="20KiB")  # the first weight (16 KiB) fits: the rest moves too
+    handle = ts.manage(model)
+    assert torch.equal(model(torch.ones(2, 64)), expected)
+    handle.remove()
