@@ -35,6 +35,8 @@ reported, not fatal: the exit status is non-zero only on errors.
 ``--cold`` evicts the offload files from the page cache before every forward
 (``posix_fadvise(DONTNEED)`` on every file the process has open under its offload directory),
 as if the model did not fit in RAM: every forward reads what is not resident from the disk.
+Pages the process keeps mapped stay (tensorscope's resident budget; accelerate's numpy memmaps,
+which stay mapped once read, so its run is only partly cold).
 This is where prefetching (Flow) should pay against reading on demand (Genoa, accelerate).
 
 Run: ``python benchmarks/offload_inference.py`` (``--quick`` for 1 warm-up + 1 timed forward, one
