@@ -148,7 +148,7 @@ class Movers:
         region = placement.region or self._move_into_file(placement)
         # Dropped here, synchronously: RSS must fall when the budget says so, and a queued drop
         # would delay the prefetches behind it (measured: both got worse).
-        region.drop(placement.storage.data_ptr())
+        region.drop()
 
     def _move_into_file(self, placement: Placement) -> DiskRegion:
         """CPU device: copy a storage's heap bytes into a new disk region and make the mapping
@@ -169,7 +169,7 @@ class Movers:
             return
         with _quiet():
             region = self._move_into_file(placement)
-            region.populate(placement.storage.data_ptr(), write=placement.written)
+            region.populate(write=placement.written)
 
     def _release_device(self, placement: Placement) -> None:
         if self.device.device.type == "cuda":
@@ -198,7 +198,7 @@ class Movers:
         if self.device.is_cpu:
             region = placement.region
             assert region is not None  # a CPU placement off the device always has a region
-            region.populate(placement.storage.data_ptr(), write=placement.written)
+            region.populate(write=placement.written)
         else:
             if placement.tier == "host" and placement.host is not None:
                 source = placement.host

@@ -33,7 +33,7 @@ class Prefetcher:
             try:
                 region = placement.region
                 if region is not None:
-                    region.populate(placement.storage.data_ptr(), write=placement.written)
+                    region.populate(write=placement.written)
             finally:
                 event.set()
 

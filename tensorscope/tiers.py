@@ -189,13 +189,14 @@ class DiskRegion:
         except OSError:
             return False
 
-    def populate(self, address: int, write: bool) -> None:
+    def populate(self, write: bool) -> None:
         """Map the region's pages into the process (read ahead from the page cache or disk)."""
-        _madvise(address, self.length, _MADV_POPULATE_WRITE if write else _MADV_POPULATE_READ)
+        advice = _MADV_POPULATE_WRITE if write else _MADV_POPULATE_READ
+        _madvise(self.address, self.length, advice)
 
-    def drop(self, address: int) -> None:
+    def drop(self) -> None:
         """Unmap the region's pages: RSS falls, the bytes stay in the page cache and the file."""
-        _madvise(address, self.length, _MADV_DONTNEED)
+        _madvise(self.address, self.length, _MADV_DONTNEED)
 
     def flush(self) -> None:
         """Write the region's dirty pages to the file now (``fdatasync``; not the hot path)."""
@@ -272,20 +273,9 @@ class DiskTier:
 
     def allocate(self, nbytes: int) -> DiskRegion:
         """A new region of ``nbytes``, reserved on disk (``posix_fallocate``) so that writes
-        through its mapping cannot fail later; ``ResidencyError`` if the disk is full."""
-        region = self._take_pooled(nbytes)
-        if region is not None:
-            return region  # its blocks were written before: stores through the mapping are safe
-        length = _page_round(nbytes)
-        fd = self._new_file()
-        try:
-            os.posix_fallocate(fd, 0, length)
-            region = DiskRegion(fd, nbytes)
-        except OSError as exc:
-            os.close(fd)
-            raise self._write_error(exc, length) from exc
-        self.live_bytes += region.length
-        return region
+        through its mapping cannot fail later; ``ResidencyError`` if the disk is full.
+        A pooled region of that size is reused: its blocks were written before."""
+        return self._region(nbytes, reserve=True)
 
     def store(self, address: int, nbytes: int) -> DiskRegion:
         """A region holding a copy of the ``nbytes`` at ``address``, written through the file
@@ -297,22 +287,32 @@ class DiskTier:
         with ``pwrite``; without ``posix_fallocate`` first, which turned 4.6 GB/s of writing
         into 0.4-0.6 GB/s. A full disk fails the write: nothing has moved yet.
         """
-        region = self._take_pooled(nbytes)
-        if region is None:
-            length = _page_round(nbytes)
-            fd = self._new_file()
-            try:
-                os.ftruncate(fd, length)  # sparse until written: the mapping covers the file
-                region = DiskRegion(fd, nbytes)
-            except OSError as exc:
-                os.close(fd)
-                raise self._write_error(exc, length) from exc
-            self.live_bytes += region.length
+        region = self._region(nbytes, reserve=False)
         try:
             region.write(address)
         except OSError as exc:
             self.release(region, reusable=False)
             raise self._write_error(exc, region.length) from exc
+        return region
+
+    def _region(self, nbytes: int, reserve: bool) -> DiskRegion:
+        """A pooled region of ``nbytes``, else a new file: reserved on disk, or sparse until
+        written (``ftruncate``: the mapping must lie inside the file)."""
+        region = self._take_pooled(nbytes)
+        if region is not None:
+            return region
+        length = _page_round(nbytes)
+        fd = self._new_file()
+        try:
+            if reserve:
+                os.posix_fallocate(fd, 0, length)
+            else:
+                os.ftruncate(fd, length)
+            region = DiskRegion(fd, nbytes)
+        except OSError as exc:
+            os.close(fd)
+            raise self._write_error(exc, length) from exc
+        self.live_bytes += region.length
         return region
 
     def release(self, region: DiskRegion, reusable: bool) -> None:
@@ -327,7 +327,7 @@ class DiskTier:
         self.live_bytes -= region.length
         limit = max(_POOL_MIN_BYTES, self.live_bytes)
         if reusable and region.intact() and self.pooled_bytes + region.length <= limit:
-            region.drop(region.address)
+            region.drop()
             self._pool.setdefault(region.nbytes, []).append(region)
             self.pooled_bytes += region.length
         else:
