@@ -85,34 +85,27 @@ def _build_model() -> Any:
     return GPT2LMHeadModel(GPT2Config(**MODEL_CONFIG)).eval()
 
 
-def _evict_page_cache(directory: str) -> int:
-    """Drop the clean page cache of every file this process has open under ``directory``
-    (tensorscope's files have no names: they are found through /proc/self/fd). Pages mapped
-    in this process stay; returns how many files were advised."""
+def _evict_page_cache(directory: str) -> None:
+    """Drop the clean page cache of every file under ``directory``: the named ones (accelerate's
+    memmaps) and those this process holds open without a name (tensorscope's, found through
+    /proc/self/fd). Pages a process keeps mapped stay."""
     import os
+
+    def advise(fd: int) -> None:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
 
     prefix = os.path.realpath(directory) + os.sep
-    advised = 0
     for name in os.listdir("/proc/self/fd"):
         try:
-            target = os.readlink(f"/proc/self/fd/{name}")
-            if target.startswith(prefix):
-                os.posix_fadvise(int(name), 0, 0, os.POSIX_FADV_DONTNEED)
-                advised += 1
+            if os.readlink(f"/proc/self/fd/{name}").startswith(prefix):
+                advise(int(name))
         except OSError:
-            pass
-    return advised
-
-
-def _evict_named_files(directory: str) -> None:
-    """Drop the clean page cache of every file under ``directory`` (by name)."""
-    import os
-
+            pass  # closed meanwhile (the listing's own fd), or not a file
     for root, _dirs, files in os.walk(directory):
         for file in files:
             fd = os.open(os.path.join(root, file), os.O_RDONLY)
             try:
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+                advise(fd)
             finally:
                 os.close(fd)
 
@@ -181,10 +174,7 @@ def worker(cfg: dict[str, Any]) -> dict[str, Any]:
         with torch.no_grad():
             for i in range(cfg["warmup"] + cfg["forwards"]):
                 if cfg["cold"] and offload_dir is not None:
-                    if variant == "accelerate":  # numpy memmaps, opened per access: by name
-                        _evict_named_files(offload_dir)
-                    else:
-                        _evict_page_cache(offload_dir)
+                    _evict_page_cache(offload_dir)
                 sampler = common.PeakSampler(interval_s=0.002)
                 with sampler, common.Window() as window:
                     logits = model(input_ids=input_ids, use_cache=False).logits
