@@ -4,7 +4,6 @@ Public names only (see API.md); no logic here.
 """
 
 from tensorscope import checkpoint
-from tensorscope._dispose import dispose
 from tensorscope.errors import (
     ArgumentTypeError,
     DisposedTensorError,
@@ -19,7 +18,7 @@ from tensorscope.errors import (
 )
 from tensorscope.manage import ManagedModule, ManagedParameter, manage
 from tensorscope.policies import Flow, Genoa, Policy
-from tensorscope.ref import DisposedTensor, TensorRef, ref
+from tensorscope.ref import DisposedTensor, TensorRef, dispose, ref
 from tensorscope.residency import ResidencyManager, ResidencyReport, residency
 from tensorscope.scope import (
     DisposeScope,

@@ -50,7 +50,7 @@ def find_leaks(
     local_ids = {id(v) for v in frame.f_locals.values()} - locals_at_entry
     ignored = {id(frame), id(frame.f_locals)}
     records = []
-    for state in list(scope._owned.values()):
+    for state in scope.owned_states():
         tensor = state()
         if tensor is None:
             continue

@@ -1,58 +1,137 @@
-"""Creation sites: the file:line of the user code that created a tensor.
+"""Creation sites, and the torch code whose tensors are long-lived state (never owned).
 
-Captured for every ref on the hot path, so it must be cheap: walk Python frames outward from the
-op and stop at the first frame whose file is not part of torch or tensorscope. The library/user
-verdict is cached per file name (strings hash once), so a step costs one dict lookup per frame.
-Ops run by the autograd engine from C++ have only the frames of the code that called
-``backward()``, which is the right answer for tensors created in backward.
+A ref remembers where user code created it: the first frame, walking outward from the op, whose
+file is not part of torch or tensorscope. The walk is on the hot path, so it keeps only the code
+object and the instruction offset (``f_lasti``); the file:line text is computed when an error or
+a leak report needs it. Each code object's verdict (user, library, state maker) is cached, so a
+frame costs one dict lookup.
+
+# NOTE [state makers]
+# Some torch code creates tensors that torch or a module keeps as its own long-lived state:
+# ``Module._apply`` (``model.to(dtype)``, ``.half()``: new buffers assigned behind the buffer
+# registration hook), ``Tensor.__deepcopy__`` (the copy must keep the original's plain type),
+# a GradScaler's lazily created scale, ``Optimizer.load_state_dict`` (optimizer state), tensors a
+# DataLoader receives from its workers (parked in its reorder buffer across steps), and what
+# torch.compile's machinery makes while compiling. A scope must never own those: if the walk
+# meets one of these frames before the first user frame, the result is not owned.
 """
 
 from __future__ import annotations
 
 import os
 import sys
-from types import FrameType
-from typing import TypeAlias
+from types import CodeType, FrameType
+from typing import Any, Final, TypeAlias
 
 import torch
 
-__all__ = ["Site", "capture_site", "format_site"]
+__all__ = ["NOT_OWNED", "Site", "capture_site", "format_site", "site_file_line", "user_site"]
 
-Site: TypeAlias = "tuple[str, int] | None"
+# (code object of the user frame, its f_lasti), or None when no user frame was found.
+Site: TypeAlias = "tuple[CodeType, int] | None"
 
+
+class NotOwned:
+    __slots__ = ()
+
+    def __repr__(self) -> str:
+        return "NOT_OWNED"
+
+
+NOT_OWNED: Final = NotOwned()
+
+_USER, _LIBRARY, _STATE_MAKER = 0, 1, 2
 _PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
-_LIBRARY_DIRS = (os.path.dirname(torch.__file__) + os.sep, _PACKAGE_DIR)
+_TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
+_LIBRARY_DIRS = (_TORCH_DIR, _PACKAGE_DIR)
 # The demo plays the part of user code: its sites are what a user would see.
 _USER_FILES = {_PACKAGE_DIR + "demo.py"}
-_is_library: dict[str, bool] = {}
+# Whole files and directories whose tensors are state (see the NOTE above).
+_STATE_MAKER_PATHS = tuple(
+    _TORCH_DIR + path
+    for path in (
+        "multiprocessing" + os.sep + "reductions.py",
+        "_dynamo" + os.sep,
+        "_inductor" + os.sep,
+    )
+)
 
 
-def _classify(filename: str) -> bool:
-    verdict = (
+def _state_maker_codes() -> set[CodeType]:
+    from torch.amp.grad_scaler import GradScaler
+
+    functions: list[Any] = [
+        torch.nn.Module._apply,
+        torch.Tensor.__deepcopy__,
+        GradScaler._lazy_init_scale_growth_tracker,
+        torch.optim.Optimizer.load_state_dict,
+    ]
+    codes = set()
+    for function in functions:
+        code = getattr(getattr(function, "__wrapped__", function), "__code__", None)
+        if code is not None:
+            codes.add(code)
+    return codes
+
+
+_verdicts: dict[CodeType, int] = dict.fromkeys(_state_maker_codes(), _STATE_MAKER)
+
+
+def _classify(code: CodeType) -> int:
+    filename = code.co_filename
+    if filename.startswith(_STATE_MAKER_PATHS):
+        verdict = _STATE_MAKER
+    elif (
         filename.startswith(_LIBRARY_DIRS) or filename.startswith("<frozen")
-    ) and filename not in _USER_FILES
-    _is_library[filename] = verdict
+    ) and filename not in _USER_FILES:
+        verdict = _LIBRARY
+    else:
+        verdict = _USER
+    _verdicts[code] = verdict
     return verdict
 
 
-def capture_site(skip: int = 1) -> Site:
-    """Return ``(filename, lineno)`` of the innermost user frame, skipping ``skip`` frames."""
+def capture_site(skip: int = 1) -> Site | NotOwned:
+    """The innermost user frame's site, skipping ``skip`` frames; ``NOT_OWNED`` when a state
+    maker (see the NOTE above) called the op."""
     frame: FrameType | None = sys._getframe(skip + 1)
-    lookup = _is_library.get
+    lookup = _verdicts.get
     while frame is not None:
-        filename = frame.f_code.co_filename
-        verdict = lookup(filename)
+        code = frame.f_code
+        verdict = lookup(code)
         if verdict is None:
-            verdict = _classify(filename)
-        if not verdict:
-            return (filename, frame.f_lineno)
+            verdict = _classify(code)
+        if verdict == _USER:
+            return (code, frame.f_lasti)
+        if verdict == _STATE_MAKER:
+            return NOT_OWNED
         frame = frame.f_back
     return None
 
 
+def user_site(skip: int = 1) -> Site:
+    """The innermost user frame's site, skipping ``skip`` frames (state makers ignored)."""
+    site = capture_site(skip + 1)
+    return None if isinstance(site, NotOwned) else site
+
+
+def site_file_line(site: Site) -> tuple[str, int] | None:
+    """``(filename, lineno)`` of a site."""
+    if site is None:
+        return None
+    code, lasti = site
+    line = code.co_firstlineno
+    for start, end, lineno in code.co_lines():
+        if start <= lasti < end:
+            if lineno is not None:
+                line = lineno
+            break
+    return (code.co_filename, line)
+
+
 def format_site(site: Site) -> str:
     """``"train.py:42"`` style text (full path kept when short enough to read)."""
-    if site is None:
+    where = site_file_line(site)
+    if where is None:
         return "an unknown site (no user frame: created by torch internals)"
-    filename, lineno = site
-    return f"{filename}:{lineno}"
+    return f"{where[0]}:{where[1]}"

@@ -1,4 +1,4 @@
-"""Bookkeeping shared by refs, scopes and the interceptor: per-ref state, per-thread counters.
+"""Ownership records: what tensorscope knows about each ref, and the owner contract.
 
 # NOTE [ref state lives beside the tensor, not in it]
 # Every TensorRef has one ``RefState``: a weak reference to the tensor (so scopes never keep a
@@ -7,52 +7,42 @@
 # dict per tensor on the hot path, and ``copy.deepcopy``/``torch.save`` copy ``__dict__``. The
 # weak reference's callback runs when the tensor's C++ object dies (torch keeps a tensor's Python
 # object alive while C++ still holds the tensor), which is when a ref "freed by Python" counts as
-# disposed (API.md §3).
+# disposed (docs/api.md, statistics).
 #
-# NOTE [safe holders of a storage]
-# A storage may only be freed (``resize_(0)``) when nothing that could read it without going
-# through our guards still references it. ``SAFE_HOLDERS[key]`` counts, per storage, the tensors we
-# know are guarded: disposed refs that are still alive (every path raises) and the aliases our
-# saved-tensor hook keeps for autograd (unpack checks the storage). Whoever frees compares the
-# storage's use count with the holders it can vouch for; any other holder (a Parameter sharing the
-# data, a plain view, numpy) keeps the memory alive. Counts are exact: each holder adds one when
-# it becomes guarded and removes it when it dies, so a key is gone before its address is reused.
+# NOTE [the owner contract]
+# An ``Owner`` (a ``DisposeScope``) keeps its refs in ``_owned``; only the methods below change
+# it: ``adopt`` takes a state, ``release`` lets one go, ``resolve`` finds the nearest open owner
+# outward (a closed scope keeps its link to its outer one). No other module touches ``_owned``.
+
+Layer 2: imports only layers 0-1.
 """
 
 from __future__ import annotations
 
-import threading
 import weakref
-from collections.abc import Callable
-from contextvars import ContextVar
-from typing import TYPE_CHECKING, Any
 
 import torch
 
-from tensorscope._sites import Site
-
-if TYPE_CHECKING:
-    from tensorscope._intercept import Interceptor
-    from tensorscope.scope import DisposeScope as Owner  # refs are owned by dispose scopes
+from tensorscope._sites import Site, format_site
+from tensorscope.errors import DisposedTensorError, ScopeError
 
 __all__ = [
-    "CURRENT_SCOPE",
-    "SAFE_HOLDERS",
+    "CONVERTED",
     "STATES",
     "Counters",
     "Disposal",
+    "Owner",
     "RefState",
-    "ThreadData",
-    "hold_storage",
-    "new_state",
-    "release_storage",
+    "disposed_error",
+    "disposed_error_for",
+    "move_state",
+    "register_ref",
     "state_of",
-    "thread_data",
 ]
 
 
 class Counters:
-    """Mutable per-thread statistics (API.md §3); ``ts.stats()`` snapshots them."""
+    """Mutable per-thread statistics (docs/api.md §3); ``ts.stats()`` snapshots them."""
 
     __slots__ = (
         "attached",
@@ -78,21 +68,61 @@ class Counters:
 class Disposal:
     """Why and where a ref was disposed, kept for the error raised on later use."""
 
-    __slots__ = ("dtype", "held_key", "reason", "scope_name", "shape")
+    __slots__ = ("dtype", "reason", "scope_name", "shape")
 
     def __init__(
-        self,
-        shape: tuple[int, ...],
-        dtype: torch.dtype,
-        scope_name: str | None,
-        reason: str,
-        held_key: int | None,
+        self, shape: tuple[int, ...], dtype: torch.dtype, scope_name: str | None, reason: str
     ) -> None:
         self.shape = shape
         self.dtype = dtype
         self.scope_name = scope_name
         self.reason = reason
-        self.held_key = held_key
+
+
+class Owner:
+    """The owner contract (see the NOTE above); ``DisposeScope`` implements it."""
+
+    name: str | None
+
+    def __init__(self) -> None:
+        self._owned: dict[int, RefState] = {}
+        self._outer: Owner | None = None
+        self._closed = False
+
+    def adopt(self, state: RefState) -> None:
+        """Own ``state`` (its previous owner must have released it)."""
+        state.owner = self
+        self._owned[state.key] = state
+
+    def release(self, state: RefState) -> None:
+        """Stop owning ``state`` (no-op if another owner has it)."""
+        if self._owned.get(state.key) is state:
+            del self._owned[state.key]
+        if state.owner is self:
+            state.owner = None
+
+    def resolve(self) -> Owner | None:
+        """This owner if open, else the nearest open owner outward."""
+        owner: Owner | None = self
+        while owner is not None and owner._closed:
+            owner = owner._outer
+        return owner
+
+    def check_open(self) -> None:
+        """Raise ``ScopeError`` if closed."""
+        if self._closed:
+            raise ScopeError(
+                f"tensorscope.scope: {self.words()} is closed; only close(), is_closed, name "
+                "and `in` work on a closed scope."
+            )
+
+    def owned_states(self) -> list[RefState]:
+        """A snapshot of the states owned now."""
+        return list(self._owned.values())
+
+    def words(self) -> str:
+        """How messages name this owner."""
+        return f"scope {self.name!r}" if self.name else "an unnamed scope"
 
 
 class RefState(weakref.ref):  # type: ignore[type-arg]
@@ -109,29 +139,15 @@ class RefState(weakref.ref):  # type: ignore[type-arg]
 
 
 STATES: dict[int, RefState] = {}
-SAFE_HOLDERS: dict[int, int] = {}
 # Refs turned into Parameters/Buffers leave tensorscope but their death is still counted:
 # their states are kept alive here (by id: a dead weak reference cannot be hashed).
 CONVERTED: dict[int, RefState] = {}
-
-
-def hold_storage(key: int) -> None:
-    SAFE_HOLDERS[key] = SAFE_HOLDERS.get(key, 0) + 1
-
-
-def release_storage(key: int, _holders: dict[int, int] = SAFE_HOLDERS) -> None:
-    count = _holders.get(key, 0) - 1
-    if count > 0:
-        _holders[key] = count
-    else:
-        _holders.pop(key, None)
 
 
 def _on_ref_death(
     state: RefState,
     _states: dict[int, RefState] = STATES,
     _converted: dict[int, RefState] = CONVERTED,
-    _release: Any = release_storage,
 ) -> None:
     # Default arguments bind the globals: this also runs during interpreter shutdown.
     key = state.key
@@ -139,38 +155,46 @@ def _on_ref_death(
         del _states[key]
     if _converted:
         _converted.pop(id(state), None)
-    disposal = state.disposal
-    if disposal is None:
+    if state.disposal is None:
         owner = state.owner
         if owner is not None:
-            if owner._owned.get(key) is state:
-                del owner._owned[key]
+            owner.release(state)
             state.counters.disposed_in_scope += 1
         else:
             state.counters.disposed_outside_scope += 1
-    elif disposal.held_key is not None:
-        _release(disposal.held_key)
 
 
-def new_state(
+def register_ref(
     tensor: torch.Tensor, owner: Owner | None, site: Site, counters: Counters
 ) -> RefState:
-    """Register ``tensor`` (already of class TensorRef) and return its state. Not the hot path."""
+    """The one constructor of ref states: register ``tensor`` (already of class TensorRef),
+    owned by ``owner``, and count its creation."""
     state = RefState(tensor, _on_ref_death)
     key = id(tensor)
     state.key = key
-    state.owner = owner
+    state.owner = None
     state.site = site
     state.counters = counters
     state.disposal = None
     state.grad_of = None
     STATES[key] = state
     if owner is not None:
-        owner._owned[key] = state
+        owner.adopt(state)
         counters.created_in_scope += 1
     else:
         counters.created_outside_scope += 1
     return state
+
+
+def move_state(state: RefState, new_owner: Owner | None) -> None:
+    """Move ``state`` from its owner to ``new_owner``; statistics are the caller's business."""
+    old = state.owner
+    if old is new_owner:
+        return
+    if old is not None:
+        old.release(state)
+    if new_owner is not None:
+        new_owner.adopt(state)
 
 
 def state_of(tensor: object) -> RefState | None:
@@ -181,51 +205,20 @@ def state_of(tensor: object) -> RefState | None:
     return None
 
 
-class ThreadData:
-    """Per-thread: statistics, the interceptor, and how many open scopes of this thread use it."""
+def disposed_error(tensor: object) -> DisposedTensorError:
+    """The error for using ``tensor``: what it was, where it came from, who disposed it."""
+    state = state_of(tensor)
+    if state is None or state.disposal is None:
+        return DisposedTensorError("tensorscope.scope: this tensor was disposed")
+    return disposed_error_for(state.disposal, state.site)
 
-    __slots__ = (
-        "backward_paused",
-        "counters",
-        "interceptor",
-        "pushed",
-        "suspended",
-        "thread_id",
-        "users",
+
+def disposed_error_for(disposal: Disposal, site: Site, context: str = "") -> DisposedTensorError:
+    dtype = str(disposal.dtype).removeprefix("torch.")
+    return DisposedTensorError(
+        f"tensorscope.scope: {context}tensor of shape {disposal.shape} and dtype {dtype}, "
+        f"created at {format_site(site)}, was disposed {disposal.reason} and can no longer be "
+        "used. To keep a tensor beyond its scope, call t.move_to_outer() or "
+        "t.detach_from_scope() (or s.exclude(t)) before the scope closes, or take a copy with "
+        "t.clone() and detach_from_scope() it."
     )
-
-    def __init__(self) -> None:
-        self.counters = Counters()
-        self.interceptor: Interceptor | None = None
-        self.users = 0
-        self.pushed = False
-        # Popped for the duration of an optimizer step (see _intercept's NOTE on optimizers).
-        self.suspended = False
-        # Popped for the duration of a ref's backward() (see _intercept's NOTE on backward).
-        self.backward_paused = False
-        self.thread_id = threading.get_ident()
-
-
-class _Local(threading.local):
-    def __init__(self) -> None:
-        self.data = ThreadData()
-
-
-_local = _Local()
-
-
-def thread_data() -> ThreadData:
-    """This thread's :class:`ThreadData`."""
-    return _local.data
-
-
-# The residency manager's view of storages, for disposal (ref.py) without importing it:
-# how many references to a storage it holds itself, and a call after refs were disposed.
-STORAGE_HOLDERS: list[Callable[[int], int]] = []
-DISPOSAL_LISTENERS: list[Callable[[list[int]], None]] = []
-
-# torch.frombuffer before the interceptor wraps it (internal buffers must not become refs).
-ORIGINAL_FROMBUFFER = torch.frombuffer
-
-# The innermost open scope of this thread / asyncio task (contextvars give both for free).
-CURRENT_SCOPE: ContextVar[Owner | None] = ContextVar("tensorscope_current_scope", default=None)

@@ -1,20 +1,32 @@
 """Typed doors to the few torch internals tensorscope relies on (checked on torch 2.13).
 
 Keeping them here gives one place to adapt when torch changes, and keeps ``mypy --strict``
-honest everywhere else.
+honest everywhere else. Layer 1: imports only torch.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 
 __all__ = [
+    "ACCUMULATE_GRAD",
+    "ORIGINAL_FROMBUFFER",
     "cuda_event",
     "cuda_stream",
+    "current_autograd_node",
+    "graph_task_id",
+    "mode_on_top",
     "new_storage",
+    "no_dispatch",
+    "no_subclass_function",
+    "plain_alias",
     "plain_repr",
+    "pop_mode",
+    "push_mode",
+    "set_versions",
     "storage_address",
     "storage_use_count",
     "swap_data_ptr",
@@ -25,6 +37,17 @@ _storage_address = _C._storage_address
 _storage_use_count = _C._storage_Use_Count
 _tensor_repr: Any = torch.Tensor.__repr__
 _UntypedStorage: Any = torch.UntypedStorage
+_set_version_counter: Any = _C._autograd._unsafe_set_version_counter
+
+# torch.frombuffer as torch defines it (the interceptor wraps the public name; internal
+# buffers, such as the disk tier's mappings, must not become refs).
+ORIGINAL_FROMBUFFER = torch.frombuffer
+
+no_dispatch = _C._DisableTorchDispatch
+no_subclass_function = _C.DisableTorchFunctionSubclass
+graph_task_id = _C._current_graph_task_id
+current_autograd_node = _C._current_autograd_node
+ACCUMULATE_GRAD: type = _C._functions.AccumulateGrad
 
 
 def storage_address(tensor: torch.Tensor) -> int:
@@ -49,9 +72,36 @@ def swap_data_ptr(storage: torch.UntypedStorage, other: torch.UntypedStorage) ->
     swap(other)
 
 
+def set_versions(tensors: Sequence[torch.Tensor], versions: Sequence[int]) -> None:
+    """Set autograd version counters (shared by a tensor and its views and saved copies)."""
+    _set_version_counter(tensors, versions)
+
+
+def plain_alias(tensor: torch.Tensor) -> torch.Tensor:
+    """A plain ``torch.Tensor`` sharing ``tensor``'s storage, made without any interception."""
+    with no_dispatch(), no_subclass_function():
+        return torch.Tensor.detach(tensor)
+
+
 def plain_repr(tensor: torch.Tensor) -> str:
     """``repr`` of a tensor as torch prints a plain ``torch.Tensor``."""
     return str(_tensor_repr(tensor))
+
+
+def mode_on_top(mode: object) -> bool:
+    """Whether ``mode`` is the innermost TorchDispatchMode of this thread."""
+    depth = _C._len_torch_dispatch_stack()
+    return bool(depth > 0 and _C._get_dispatch_stack_at(depth - 1) is mode)
+
+
+def push_mode(mode: object) -> None:
+    """Push ``mode`` on this thread's dispatch mode stack (without the context manager)."""
+    _C._push_on_torch_dispatch_stack(mode)
+
+
+def pop_mode() -> None:
+    """Pop this thread's innermost dispatch mode."""
+    _C._pop_torch_dispatch_stack(None)
 
 
 def cuda_stream(device: torch.device) -> torch.cuda.Stream:

@@ -11,6 +11,8 @@ current values.
 from __future__ import annotations
 
 import copy
+import itertools
+import warnings
 from types import TracebackType
 from typing import Any
 
@@ -18,10 +20,8 @@ import torch
 from torch import nn
 from typing_extensions import Self
 
-from tensorscope._intercept import activate_residency, deactivate_residency
-from tensorscope._state import ThreadData, thread_data
 from tensorscope._torch import plain_repr
-from tensorscope.errors import ArgumentTypeError, ResidencyError
+from tensorscope.errors import ArgumentTypeError, ResidencyError, ResidencyWarning
 from tensorscope.ref import ResidencyMethods
 from tensorscope.residency import ResidencyManager, residency
 
@@ -64,26 +64,20 @@ class ManagedBuffer(ResidencyMethods, torch.Tensor):
 class ManagedModule:
     """The handle ``ts.manage(module)`` returns: ``remove()`` (or leave a ``with`` block)."""
 
-    def __init__(self, module: nn.Module, manager: ResidencyManager, thread: ThreadData) -> None:
+    _ids = itertools.count(1)
+
+    def __init__(self, module: nn.Module, manager: ResidencyManager) -> None:
         self.module = module
         self._manager = manager
-        self._thread = thread
+        self._id = next(self._ids)
         self._tensors: list[tuple[torch.Tensor, type[torch.Tensor]]] = []
         self._groups: set[int] = set()
         self._removed = False
 
-    def _add(self, tensor: torch.Tensor, role: str) -> None:
-        manager = self._manager
-        if manager.placement_of(tensor) is None:
-            # Make room first: the accounted peak stays within the budget from the start
-            # (demoting what was registered before this tensor).
-            with manager._lock:
-                nbytes = tensor.untyped_storage().nbytes()
-                if manager.budget_bytes is not None and nbytes <= manager.budget_bytes:
-                    manager._make_room(nbytes, "ts.manage()")
-        placement = manager.register(tensor, role=role)
-        if manager.budget_bytes is not None and placement.nbytes > manager.budget_bytes:
-            manager._demote(placement)  # larger than the whole budget: it lives below
+    def _add(self, tensor: torch.Tensor, name: str) -> None:
+        # Roles name a tensor across iterations (Flow's predictions); the handle's id keeps two
+        # models with the same parameter names apart.
+        placement = self._manager.manage_tensor(tensor, (self._id, name))
         self._groups.add(placement.uid)
         original = type(tensor)
         if original is nn.Parameter:
@@ -97,20 +91,17 @@ class ManagedModule:
         return self._removed
 
     def remove(self) -> None:
-        """Plain parameters and buffers again, holding their current values. Idempotent."""
+        """Plain parameters and buffers again, holding their current values. Idempotent.
+
+        The values come back into ordinary memory: this needs the memory of the whole module.
+        """
         if self._removed:
             return
         self._removed = True
-        manager = self._manager
-        with manager._lock:
-            for placement in list(manager._placements.values()):
-                if placement.uid in self._groups or placement.group in self._groups:
-                    manager.unregister(placement)
-            manager._sweep()
+        self._manager.unmanage(self._groups)
         for tensor, original in self._tensors:
             tensor.__class__ = original
         self._tensors.clear()
-        deactivate_residency(self._thread)
 
     def __enter__(self) -> Self:
         return self
@@ -128,14 +119,34 @@ class ManagedModule:
         return f"<ManagedModule {type(self.module).__name__}: {state}>"
 
 
+def _check_module(module: object, manager: object) -> tuple[nn.Module, ResidencyManager]:
+    if not isinstance(module, nn.Module):
+        raise ArgumentTypeError(
+            f"tensorscope.residency: ts.manage() takes an nn.Module; got {type(module).__name__}."
+        )
+    if manager is None:
+        manager = residency
+    if not isinstance(manager, ResidencyManager):
+        raise ArgumentTypeError(
+            "tensorscope.residency: manager= must be a ts.ResidencyManager (or None for "
+            f"ts.residency); got {type(manager).__name__}."
+        )
+    return module, manager
+
+
 def manage(module: nn.Module, *, manager: ResidencyManager | None = None) -> ManagedModule:
     """Put ``module``'s parameters and buffers under the residency manager, in place.
 
     They start on the device tier; what does not fit the budget is demoted at once. Under a
     budget on a CPU device every one of them moves into the disk tier's files (those that fit
-    stay mapped, resident), so their heap memory is released now. Use the
-    module from the thread that called ``manage`` (its ops are intercepted there; on a CPU device
-    other threads still read correct data, only unaccounted).
+    stay mapped, resident), so their heap memory is released now. Ops on them are run through
+    the manager on the thread that called ``manage`` and on every thread with a scope open.
+    Buffers that are not dense (sparse) stay in ordinary memory, with a ``ResidencyWarning``.
+
+    Raises:
+        ArgumentTypeError: ``module`` is not an ``nn.Module``, or ``manager`` is not a manager.
+        ResidencyError: a tensor is on another device than the device tier, on ``meta``, or
+            already managed by another ``ts.manage()`` handle (remove that one first).
 
     Example:
         >>> import torch, tensorscope as ts
@@ -149,36 +160,40 @@ def manage(module: nn.Module, *, manager: ResidencyManager | None = None) -> Man
         >>> handle.remove(); type(model[0].weight).__name__
         'Parameter'
     """
-    if not isinstance(module, nn.Module):
-        raise ArgumentTypeError(
-            f"tensorscope.residency: ts.manage() takes an nn.Module; got {type(module).__name__}."
-        )
-    manager = manager or residency
-    for name, tensor in (*module.named_parameters(), *module.named_buffers()):
+    module, manager = _check_module(module, manager)
+    tensors = [*module.named_parameters(), *module.named_buffers()]
+    dense = []
+    sparse = []
+    for name, tensor in tensors:
+        if tensor.layout is not torch.strided:
+            sparse.append(name)
+            continue
         if tensor.device.type != manager.device.type:
             raise ResidencyError(
                 f"tensorscope.residency: {name} is on {tensor.device} but the device tier is "
                 f"{manager.device}; call module.to({str(manager.device)!r}) first or configure "
                 "ts.residency's device."
             )
-    data = thread_data()
-    activate_residency(data, manager)  # held by the handle until remove()
-    handle = ManagedModule(module, manager, data)
-    manager._handles.add(handle)
+        if isinstance(tensor, (ManagedParameter, ManagedBuffer)):
+            raise ResidencyError(
+                f"tensorscope.residency: {name} is already managed by another ts.manage() "
+                "handle; call that handle's remove() first (a module is managed once)."
+            )
+        dense.append((name, tensor))
+    if sparse:
+        warnings.warn(
+            f"tensorscope.residency: {len(sparse)} non-dense tensor(s) of the module stay in "
+            f"ordinary memory, unmanaged ({', '.join(sparse[:5])}): only dense tensors can "
+            "move between tiers.",
+            ResidencyWarning,
+            stacklevel=2,
+        )
+    handle = ManagedModule(module, manager)
+    manager.add_handle(handle)
     try:
-        for name, param in module.named_parameters():
-            handle._add(param, f"param:{name}")
-        for name, buffer in module.named_buffers():
-            handle._add(buffer, f"buffer:{name}")
-        with manager._lock:
-            manager._make_room(0, "ts.manage()")
-            # Under a budget on a CPU device, the weights that stay resident move into the disk
-            # tier's files too (still mapped): all of their old heap memory goes back to the OS
-            # now, rather than during the first forward, interleaved with activations.
-            if manager.budget_bytes is not None:
-                manager.back_with_files(handle._groups)
-            manager.release_heap(threshold=0)
-        manager.flush_disk()  # their copies reach the disk now, not during the first steps
+        for name, tensor in dense:
+            handle._add(tensor, name)
+        manager.settle(handle._groups)
     except BaseException:
         handle.remove()
         raise

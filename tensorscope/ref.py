@@ -1,77 +1,74 @@
-"""TensorRef: the torch.Tensor subclass users hold, and how a ref is disposed.
+"""TensorRef, the torch.Tensor subclass users hold, and how a ref is disposed.
 
 # NOTE [class switch, not wrapper]
 # A ref is an ordinary tensor whose Python class was switched to ``TensorRef`` (a ``__class__``
-# assignment, ~0.1 µs): same TensorImpl, same storage, same autograd identity. ``TensorRef``
+# assignment, ~0.03 µs): same TensorImpl, same storage, same autograd identity. ``TensorRef``
 # disables ``__torch_function__``, so ops on refs run at plain-tensor speed and return plain
 # tensors outside scopes. A wrapper subclass would cost ~9-18 µs per op (DESIGN.md).
 #
+# NOTE [how disposal frees memory safely]
+# Disposing a ref (1) records its shape/dtype/owner for the error message, (2) switches its class
+# to ``DisposedTensor``, whose every Python path raises ``DisposedTensorError``, (3) sets its
+# autograd version counter to a poison value, so a backward that needs it (autograd saved it, or
+# a shallow copy of it) fails the saved-tensor version check instead of reading released data,
+# and (4) points its TensorImpl at a shared empty storage (``tensor.data = empty``), detached in
+# place first so a disposed output kept in a stray list releases its autograd graph. Step 4 drops
+# this tensor's hold on the storage, which PyTorch frees by refcount as soon as nothing else holds
+# it, and leaves a valid 0-element tensor: C++ code that still reaches it gets a shape error,
+# never a dangling pointer. ``storage.resize_(0)`` would free the bytes of every alias at once,
+# including Parameters and views that must stay valid, and leaves tensors whose reads segfault.
+# Views are not poisoned: they share their base's counter, which must stay valid.
+# Step 4 runs on the thread that owns the scope (see _thread.py's NOTE on cross-thread close).
+
+Layer 3: imports only layers 0-2.
 """
 
 from __future__ import annotations
 
-import contextlib
-import copy
+import re
 import weakref
-from collections.abc import Iterable, Iterator
+from collections import OrderedDict
+from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
 import torch
 from typing_extensions import Self
 
-from tensorscope._sites import capture_site, format_site
+from tensorscope._plain import PlainTensorProtocols
+from tensorscope._sites import Site, user_site
+from tensorscope._slot import active_residency, residency_hooks
 from tensorscope._state import (
     CONVERTED,
-    CURRENT_SCOPE,
     Disposal,
+    Owner,
     RefState,
-    new_state,
+    disposed_error,
+    disposed_error_for,
+    move_state,
+    register_ref,
     state_of,
-    thread_data,
 )
-from tensorscope.errors import ArgumentTypeError, DisposedTensorError, ScopeError
+from tensorscope._thread import CURRENT_SCOPE, ThreadState, mode_popped, thread_state
+from tensorscope._torch import (
+    no_dispatch,
+    no_subclass_function,
+    set_versions,
+    storage_address,
+)
+from tensorscope.errors import ArgumentTypeError, DisposedTensorError, ResidencyError, ScopeError
 
 if TYPE_CHECKING:
     from tensorscope.scope import DisposeScope
-    from tensorscope.scope import DisposeScope as Owner
 
 __all__ = [
     "DisposedTensor",
+    "ResidencyMethods",
     "TensorRef",
-    "disposed_error",
+    "dispose",
+    "dispose_states",
     "ref",
-    "resolve_open",
-    "set_owner",
+    "release_pending",
 ]
-
-_no_dispatch = torch._C._DisableTorchDispatch
-_no_subclass_function = torch._C.DisableTorchFunctionSubclass
-
-
-def plain_alias(tensor: torch.Tensor) -> torch.Tensor:
-    """A plain ``torch.Tensor`` sharing ``tensor``'s storage, made without our interceptor."""
-    with _no_dispatch(), _no_subclass_function():
-        return torch.Tensor.detach(tensor)
-
-
-def resolve_open(owner: Owner | None) -> Owner | None:
-    """``owner`` if open, else the nearest open scope outward (closed scopes keep their link)."""
-    while owner is not None and owner._closed:
-        owner = owner._outer
-    return owner
-
-
-def set_owner(state: RefState, new_owner: Owner | None) -> None:
-    """Move ``state`` from its owner to ``new_owner``; statistics are the caller's business."""
-    old = state.owner
-    if old is new_owner:
-        return
-    key = state.key
-    if old is not None and old._owned.get(key) is state:
-        del old._owned[key]
-    state.owner = new_owner
-    if new_owner is not None:
-        new_owner._owned[key] = state
 
 
 class ResidencyMethods:
@@ -79,20 +76,19 @@ class ResidencyMethods:
 
     __slots__ = ()
 
+    def _check_live(self) -> None:
+        return None
+
     @property
     def tier(self) -> str:
-        """Where this tensor's data is now: "device", "host" or "disk" (API.md §4)."""
-        from tensorscope.residency import residency
-
-        _check_live(self)  # type: ignore[arg-type]
-        return residency.tier_of(self)  # type: ignore[arg-type]
+        """Where this tensor's data is now: "device", "host" or "disk" (docs/api.md §4)."""
+        self._check_live()
+        return str(_residency().tier_of(self))
 
     def promote(self) -> Self:
         """Bring the data to the device tier, making room under the budget."""
-        from tensorscope.residency import residency
-
-        _check_live(self)  # type: ignore[arg-type]
-        residency.promote(self)  # type: ignore[arg-type]
+        self._check_live()
+        _residency().promote(self)
         return self
 
     def demote(self, tier: str | None = None) -> Self:
@@ -100,14 +96,12 @@ class ResidencyMethods:
 
         Identity, views, autograd's saved tensors and an optimizer's reference are unchanged.
         """
-        from tensorscope.residency import residency
-
-        _check_live(self)  # type: ignore[arg-type]
-        residency.demote(self, tier)  # type: ignore[arg-type]
+        self._check_live()
+        _residency().demote(self, tier)
         return self
 
 
-class TensorRef(ResidencyMethods, torch.Tensor):
+class TensorRef(PlainTensorProtocols, ResidencyMethods, torch.Tensor):  # type: ignore[misc]
     """A tensor tensorscope tracks: owned by a dispose scope, disposable, movable between tiers.
 
     ``isinstance(t, torch.Tensor)`` holds and every torch function accepts it. Inside
@@ -132,17 +126,19 @@ class TensorRef(ResidencyMethods, torch.Tensor):
         state = state_of(self)
         if state is None or state.disposal is not None:
             return None
-        return state.owner
+        return state.owner  # type: ignore[return-value]
 
     @property
     def is_disposed(self) -> bool:
         """Whether this ref was disposed (its data released; any use raises)."""
         return type(self) is DisposedTensor
 
+    def _check_live(self) -> None:
+        if type(self) is DisposedTensor:
+            raise disposed_error(self)
+
     def dispose(self) -> None:
         """Release this ref's data now. Idempotent. Views of it keep the shared storage alive."""
-        from tensorscope._dispose import dispose_states  # late: _dispose builds on this module
-
         state = state_of(self)
         if state is not None and state.disposal is None:
             dispose_states([state], reason="by t.dispose()")
@@ -152,8 +148,8 @@ class TensorRef(ResidencyMethods, torch.Tensor):
         state = _live_state(self)
         owner = state.owner
         if owner is not None:
-            outer = resolve_open(owner._outer)
-            set_owner(state, outer)
+            outer = owner._outer.resolve() if owner._outer is not None else None
+            move_state(state, outer)
             if outer is None:
                 state.counters.detached += 1
         return self
@@ -165,7 +161,7 @@ class TensorRef(ResidencyMethods, torch.Tensor):
         """
         state = _live_state(self)
         if state.owner is not None:
-            set_owner(state, None)
+            move_state(state, None)
             state.counters.detached += 1
         return self
 
@@ -173,15 +169,24 @@ class TensorRef(ResidencyMethods, torch.Tensor):
         """Move to ``scope`` (attaching an unowned ref), or detach from any scope with ``None``.
 
         Moving between two scopes counts nothing; attaching an unowned ref counts ``attached``.
+
+        Raises:
+            ArgumentTypeError: ``scope`` is neither a ``DisposeScope`` nor ``None``.
+            ScopeError: ``scope`` is closed.
         """
         if scope is None:
             return self.detach_from_scope()
+        if not isinstance(scope, Owner):
+            raise ArgumentTypeError(
+                "tensorscope.scope: move_to_scope() takes a DisposeScope or None; got "
+                f"{type(scope).__name__}."
+            )
         state = _live_state(self)
-        scope._check_open()
+        scope.check_open()
         if state.owner is not scope:
             if state.owner is None:
                 state.counters.attached += 1
-            set_owner(state, scope)
+            move_state(state, scope)
         return self
 
     @property
@@ -190,10 +195,11 @@ class TensorRef(ResidencyMethods, torch.Tensor):
 
         It holds the data on its own: it stays valid even if the ref is disposed later.
         """
-        _check_live(self)
-        with _no_dispatch(), _no_subclass_function():
+        self._check_live()
+        with no_dispatch(), no_subclass_function():
             return torch.Tensor.view_as(self, self)
 
+    # ------------------------------------------------------------------------------ autograd
     def backward(
         self,
         gradient: torch.Tensor | None = None,
@@ -201,13 +207,22 @@ class TensorRef(ResidencyMethods, torch.Tensor):
         create_graph: bool = False,
         inputs: Any = None,
     ) -> None:
-        """Autograd's ``backward()``, run without the interceptor (see _intercept.py's NOTE on
-        backward): what the engine creates is its own business, at plain-PyTorch speed."""
-        from tensorscope._intercept import backward_unintercepted  # late: it builds on refs
-
+        """Autograd's ``backward()``, run without the interceptor (what the engine creates is
+        its own: gradient temporaries and ``.grad``s). A backward that needs a disposed tensor
+        raises ``DisposedTensorError``."""
         plain_backward: Any = torch.Tensor.backward
-        with backward_unintercepted():
-            plain_backward(self, gradient, retain_graph, create_graph, inputs)
+        self._check_live()
+        try:
+            if active_residency() is None:  # managed operands need the mode: keep it
+                with mode_popped("backward"):
+                    plain_backward(self, gradient, retain_graph, create_graph, inputs)
+            else:
+                plain_backward(self, gradient, retain_graph, create_graph, inputs)
+        except RuntimeError as exc:
+            error = disposed_error_from_autograd(exc)
+            if error is None:
+                raise
+            raise error from exc
 
     def detach(self) -> torch.Tensor:
         """Autograd's ``detach()``; outside any scope, the detached alias of a ref is a ref too.
@@ -218,56 +233,8 @@ class TensorRef(ResidencyMethods, torch.Tensor):
         out = torch.Tensor.detach(self)
         if type(out) is torch.Tensor:
             out.__class__ = TensorRef
-            new_state(out, None, capture_site(), thread_data().counters)
+            register_ref(out, None, _site(), thread_state().counters)
         return out
-
-    # ------------------------------------------------------------------ plain-tensor protocols
-    # Printed and formatted exactly as a plain tensor with the same data and autograd state
-    # (torch prints subclasses as "TensorRef(...)" and formats only plain 0-d tensors as numbers).
-    def __repr__(self, *, tensor_contents: Any = None) -> str:  # type: ignore[override]
-        plain_repr: Any = torch.Tensor.__repr__
-        with _as_plain(self):
-            return str(plain_repr(self, tensor_contents=tensor_contents))
-
-    def __format__(self, format_spec: str) -> str:
-        plain_format: Any = torch.Tensor.__format__
-        with _as_plain(self):
-            return str(plain_format(self, format_spec))
-
-    def __reduce_ex__(self, proto: Any) -> Any:
-        # torch.save / pickle store plain data: a ref loads back as a plain tensor.
-        _check_live(self)
-        return torch.Tensor._reduce_ex_internal(self, proto)  # type: ignore[no-untyped-call]
-
-    def __deepcopy__(self, memo: dict[int, Any]) -> torch.Tensor:
-        _check_live(self)
-        if id(self) in memo:
-            return memo[id(self)]  # type: ignore[no-any-return]
-        if not self.is_leaf:
-            raise RuntimeError(
-                "Only Tensors created explicitly by the user (graph leaves) support the "
-                "deepcopy protocol at the moment (same rule as torch.Tensor)."
-            )
-        with torch.no_grad():
-            new = self.clone()  # a ref of the current scope inside one, else plain
-        if self.requires_grad:
-            new.requires_grad_(True)
-        if self.grad is not None:
-            new.grad = copy.deepcopy(self.grad, memo)
-        memo[id(self)] = new
-        return new
-
-    def numpy(self, *, force: bool = False) -> Any:
-        # The array keeps a plain alias made outside the interceptor, so its data stays valid
-        # while the array lives even if this ref is disposed (numpy reads memory directly).
-        _check_live(self)
-        with _no_dispatch(), _no_subclass_function():
-            return torch.Tensor.numpy(self, force=force)
-
-    def __dlpack__(self, *args: Any, **kwargs: Any) -> Any:
-        _check_live(self)
-        with _no_dispatch(), _no_subclass_function():
-            return torch.Tensor.__dlpack__(plain_alias(self), *args, **kwargs)
 
     # ----------------------------------------- nn.Parameter / nn.Buffer made from a ref
     # Inside a scope, ``nn.Parameter(data)`` receives a ref and takes its subclass path:
@@ -308,7 +275,7 @@ class DisposedTensor(TensorRef):
         kwargs: dict[str, Any] | None = None,
     ) -> Any:
         if func is torch.Tensor.__hash__:  # identity hash: sets/dicts of refs keep working
-            with _no_subclass_function():
+            with no_subclass_function():
                 return func(*args, **(kwargs or {}))  # type: ignore[no-untyped-call]
         for candidate in _iter_tensors(args, kwargs):
             if type(candidate) is DisposedTensor:
@@ -326,38 +293,17 @@ def _iter_tensors(args: Iterable[Any], kwargs: dict[str, Any] | None) -> Iterabl
         yield from kwargs.values()
 
 
-def disposed_error(tensor: object) -> DisposedTensorError:
-    """The error for using ``tensor``: what it was, where it came from, who disposed it."""
-    state = state_of(tensor)
-    if state is None or state.disposal is None:
-        return DisposedTensorError("tensorscope.scope: this tensor was disposed")
-    return disposed_error_for(state.disposal, format_site(state.site))
+def _residency() -> Any:
+    hooks = residency_hooks()
+    if hooks is None:
+        raise ResidencyError(
+            "tensorscope.residency: the residency manager is not loaded; import tensorscope."
+        )
+    return hooks
 
 
-def disposed_error_for(disposal: Disposal, site: str) -> DisposedTensorError:
-    dtype = str(disposal.dtype).removeprefix("torch.")
-    return DisposedTensorError(
-        f"tensorscope.scope: tensor of shape {disposal.shape} and dtype {dtype}, created at "
-        f"{site}, was disposed {disposal.reason} and can no longer be used. To keep a tensor "
-        "beyond its scope, call t.move_to_outer() or t.detach_from_scope() (or s.exclude(t)) "
-        "before the scope closes, or take a copy with t.clone() and detach_from_scope() it."
-    )
-
-
-@contextlib.contextmanager
-def _as_plain(tensor: TensorRef) -> Iterator[None]:
-    _check_live(tensor)
-    cls = tensor.__class__
-    tensor.__class__ = torch.Tensor  # type: ignore[assignment]
-    try:
-        yield
-    finally:
-        tensor.__class__ = cls
-
-
-def _check_live(tensor: TensorRef) -> None:
-    if type(tensor) is DisposedTensor:
-        raise disposed_error(tensor)
+def _site() -> Site:
+    return user_site(2)
 
 
 def _live_state(tensor: TensorRef) -> RefState:
@@ -369,6 +315,156 @@ def _live_state(tensor: TensorRef) -> RefState:
     return state
 
 
+# ------------------------------------------------------------------------------------ disposal
+# Version counters of disposed tensors start here (autograd counters are 32-bit; real tensors
+# stay far below). The recent disposals are remembered by version for backward's error message.
+_POISON_BASE = 1 << 30
+_POISON_SPAN = 1 << 29
+_RECENT_LIMIT = 4096
+_recent: OrderedDict[int, tuple[Disposal, Site]] = OrderedDict()
+_next_poison = [0]
+_VERSION_ERROR = re.compile(r"is at version (\d+); expected version")
+
+
+def disposed_error_from_autograd(exc: BaseException) -> DisposedTensorError | None:
+    """The DisposedTensorError behind autograd's saved-tensor version error, if it is one."""
+    match = _VERSION_ERROR.search(str(exc))
+    if match is None or int(match.group(1)) < _POISON_BASE:
+        return None
+    record = _recent.get(int(match.group(1)))
+    context = "backward needs a saved "
+    if record is None:
+        return DisposedTensorError(
+            f"tensorscope.scope: {context}tensor that was disposed (its data was released). "
+            "Run backward() inside the scope that made the graph, or keep the activations "
+            "with move_to_outer() / detach_from_scope()."
+        )
+    return disposed_error_for(record[0], record[1], context=context)
+
+
+def dispose_states(states: Iterable[RefState], reason: str, owner_thread: Any = None) -> None:
+    """Dispose every live, undisposed ref in ``states`` as one batch (see the NOTE above).
+
+    ``reason`` completes the error text "was disposed ...". When ``owner_thread`` (the
+    ``ThreadState`` of the scope that owned them) is another live thread, releasing the memory
+    is left to that thread (see _thread.py's NOTE on cross-thread close).
+    """
+    batch: list[torch.Tensor] = []
+    keys: list[int] = []
+    poisoned: list[torch.Tensor] = []
+    versions: list[int] = []
+    for state in states:
+        tensor = state()
+        if tensor is None or state.disposal is not None:
+            continue
+        owner = state.owner
+        if owner is not None:
+            owner.release(state)
+            state.counters.disposed_in_scope += 1
+        else:
+            state.counters.disposed_outside_scope += 1
+        disposal = Disposal(
+            tuple(tensor.shape), tensor.dtype, owner.name if owner is not None else None, reason
+        )
+        state.disposal = disposal
+        _unlink_grads(tensor, state)
+        if tensor.layout is torch.strided and tensor.device.type != "meta":
+            keys.append(storage_address(tensor))
+        if not tensor._is_view() and not tensor.is_inference():
+            version = _POISON_BASE + _next_poison[0] % _POISON_SPAN
+            _next_poison[0] += 1
+            _recent[version] = (disposal, state.site)
+            poisoned.append(tensor)
+            versions.append(version)
+        tensor.__class__ = DisposedTensor
+        batch.append(tensor)
+    if poisoned:
+        with no_subclass_function():
+            set_versions(poisoned, versions)
+        while len(_recent) > _RECENT_LIMIT:
+            _recent.popitem(last=False)
+    if not batch:
+        return
+    elsewhere = isinstance(owner_thread, ThreadState) and not owner_thread.on_this_thread
+    if elsewhere and owner_thread.alive:
+        owner_thread.defer(batch)
+        return
+    _release_all(batch)
+    hooks = residency_hooks()
+    if hooks is not None and keys:
+        hooks.storages_disposed(keys)
+
+
+def release_pending(state: ThreadState) -> None:
+    """Release what a close on another thread left to this thread (call on its thread)."""
+    pending = state.take_pending()
+    if pending:
+        _release_all(pending)
+        hooks = residency_hooks()
+        if hooks is not None:
+            hooks.storages_disposed([])
+
+
+def _release_all(tensors: list[torch.Tensor]) -> None:
+    failures: list[BaseException] = []
+    for tensor in tensors:
+        try:
+            _release(tensor)
+        except Exception as exc:  # one odd tensor must not keep the others' memory
+            failures.append(exc)
+    if failures:
+        raise ScopeError(
+            f"tensorscope.scope: the memory of {len(failures)} disposed tensor(s) could not be "
+            f"released (they are disposed all the same): {failures[0]}"
+        ) from failures[0]
+
+
+def _unlink_grads(tensor: torch.Tensor, state: RefState) -> None:
+    # Autograd writes into a leaf's .grad from C++; cut the link so a later backward makes a
+    # fresh gradient instead of accumulating into a disposed one.
+    with no_subclass_function():
+        if state.grad_of is not None:
+            leaf = state.grad_of()
+            if leaf is not None and type(leaf) is not DisposedTensor and leaf.grad is tensor:
+                leaf.grad = None
+        if tensor.is_leaf and tensor.requires_grad and tensor.grad is not None:
+            tensor.grad = None
+
+
+_EMPTIES: dict[tuple[torch.dtype, torch.device, torch.layout], torch.Tensor] = {}
+
+
+def _empty_like(tensor: torch.Tensor) -> torch.Tensor:
+    key = (tensor.dtype, tensor.device, tensor.layout)
+    empty = _EMPTIES.get(key)
+    if empty is None:
+        layout = tensor.layout
+        if layout is torch.strided:
+            empty = torch.empty(0, dtype=tensor.dtype, device=tensor.device)
+        elif layout is torch.sparse_coo:
+            empty = torch.sparse_coo_tensor(
+                torch.empty((1, 0), dtype=torch.int64), torch.empty(0, dtype=tensor.dtype), (0,)
+            ).to(tensor.device)
+        else:  # compressed sparse layouts
+            empty = torch.empty((0, 0), dtype=tensor.dtype, layout=layout, device=tensor.device)
+        _EMPTIES[key] = empty
+    return empty
+
+
+def _release(tensor: torch.Tensor) -> None:
+    """Drop this TensorImpl's hold on its storage and, when possible, on its autograd graph."""
+    with no_dispatch(), no_subclass_function():
+        if tensor.grad_fn is not None and not tensor._is_view():
+            # A disposed output kept in a stray list would otherwise keep its whole graph
+            # (and the activations saved in it) alive. Views cannot be detached in place.
+            tensor.detach_()
+        # Disposed tensors share one 0-byte tensor per dtype, device and layout: nothing can
+        # grow it (every Python path raises; C++ paths reaching a disposed tensor fail on its
+        # shape).
+        tensor.data = _empty_like(tensor)
+
+
+# ------------------------------------------------------------------------------ conversions
 def unown_buffer(module: torch.nn.Module, name: str, buffer: torch.Tensor | None) -> None:
     """Global buffer-registration hook: a buffer made inside a scope is never owned by it."""
     if type(buffer) is TensorRef:
@@ -380,10 +476,26 @@ def _convert(tensor: TensorRef, cls: type[torch.Tensor]) -> None:
     state = state_of(tensor)
     if state is not None:
         if state.owner is not None:
-            set_owner(state, None)
+            move_state(state, None)
             state.counters.detached += 1
         CONVERTED[id(state)] = state  # its death still counts as disposed (outside scope)
     tensor.__class__ = cls  # type: ignore[assignment]
+
+
+def grad_owner_for(leaf: torch.Tensor) -> Owner | None:
+    """The scope owning the ``.grad`` autograd is creating for ``leaf``.
+
+    That is the leaf's own (open) scope when the leaf is an owned ref, else ``None``: gradients
+    of parameters and of other tensors no scope owns are never owned (docs/api.md §2).
+    """
+    state = state_of(leaf)
+    if state is None or state.disposal is not None or state.owner is None:
+        return None
+    return state.owner.resolve()
+
+
+def mark_grad_of(state: RefState, leaf: torch.Tensor) -> None:
+    state.grad_of = weakref.ref(leaf)
 
 
 # ------------------------------------------------------------------------------ public helpers
@@ -407,14 +519,16 @@ def ref(tensor: torch.Tensor) -> TensorRef:
     """
     if isinstance(tensor, TensorRef):
         return tensor
-    _check_convertible(tensor, "ts.ref()")
-    owner = resolve_open(CURRENT_SCOPE.get())
+    check_convertible(tensor, "ts.ref()")
+    current = CURRENT_SCOPE.get()
+    owner = current.resolve() if current is not None else None
     tensor.__class__ = TensorRef
-    new_state(tensor, owner, capture_site(), thread_data().counters)
+    register_ref(tensor, owner, _site(), thread_state().counters)
     return tensor  # type: ignore[return-value]
 
 
-def _check_convertible(tensor: object, what: str) -> None:
+def check_convertible(tensor: object, what: str) -> None:
+    """Refuse what cannot become a ref: non-tensors and tensor subclasses (parameters)."""
     if not isinstance(tensor, torch.Tensor):
         raise ArgumentTypeError(
             f"tensorscope.scope: {what} takes tensors; got {type(tensor).__name__}."
@@ -427,17 +541,23 @@ def _check_convertible(tensor: object, what: str) -> None:
         )
 
 
-def grad_owner_for(leaf: torch.Tensor) -> Owner | None:
-    """The scope owning the ``.grad`` autograd is creating for ``leaf``.
+def dispose(*tensors: torch.Tensor) -> None:
+    """Dispose each tensor now (idempotent). Plain tensors are made refs first.
 
-    That is the leaf's own (open) scope when the leaf is an owned ref, else ``None``: gradients
-    of parameters and of other tensors no scope owns are never owned (API.md §2).
+    Example:
+        >>> import torch, tensorscope as ts
+        >>> t = torch.ones(2)
+        >>> ts.dispose(t); t.is_disposed
+        True
     """
-    state = state_of(leaf)
-    if state is None or state.disposal is not None or state.owner is None:
-        return None
-    return resolve_open(state.owner)
-
-
-def mark_grad_of(state: RefState, leaf: torch.Tensor) -> None:
-    state.grad_of = weakref.ref(leaf)
+    states = []
+    for tensor in tensors:
+        if type(tensor) is DisposedTensor:
+            continue
+        if not isinstance(tensor, TensorRef):
+            check_convertible(tensor, "ts.dispose()")
+            ref(tensor)
+        state = state_of(tensor)
+        if state is not None:
+            states.append(state)
+    dispose_states(states, reason="by ts.dispose()")

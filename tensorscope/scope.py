@@ -19,26 +19,12 @@ import torch
 from typing_extensions import ParamSpec, Self
 
 from tensorscope import _intercept
-from tensorscope._dispose import dispose_states
 from tensorscope._leaks import LeakRecord, find_leaks, warn_leaks
-from tensorscope._sites import capture_site
-from tensorscope._state import (
-    CURRENT_SCOPE,
-    RefState,
-    ThreadData,
-    new_state,
-    state_of,
-    thread_data,
-)
+from tensorscope._sites import user_site
+from tensorscope._state import Owner, disposed_error, move_state, register_ref, state_of
+from tensorscope._thread import CURRENT_SCOPE, ThreadState, thread_state
 from tensorscope.errors import ArgumentTypeError, ScopeError
-from tensorscope.ref import (
-    DisposedTensor,
-    TensorRef,
-    _check_convertible,
-    disposed_error,
-    resolve_open,
-    set_owner,
-)
+from tensorscope.ref import DisposedTensor, TensorRef, check_convertible, dispose_states
 
 __all__ = [
     "DisposeScope",
@@ -95,7 +81,7 @@ def stats() -> Stats:
         >>> ts.stats().created_in_scope, ts.stats().live
         (2, 0)
     """
-    c = thread_data().counters
+    c = thread_state().counters
     return Stats(
         c.created_in_scope,
         c.created_outside_scope,
@@ -108,10 +94,10 @@ def stats() -> Stats:
 
 def reset_stats() -> None:
     """Zero this thread's counters."""
-    thread_data().counters.reset()
+    thread_state().counters.reset()
 
 
-class DisposeScope:
+class DisposeScope(Owner):
     """A scope that owns the tensors created while it is the innermost open scope.
 
     Use it as a context manager (``with ts.scope(name="step") as s:``) or as a decorator
@@ -135,36 +121,34 @@ class DisposeScope:
             raise ArgumentTypeError(
                 f"tensorscope.scope: a scope name must be a str; got {type(name).__name__}"
             )
+        super().__init__()
         self.name = name
         self.report_leaks = bool(report_leaks)
         self.leaks: list[LeakRecord] = []
-        self._owned: dict[int, RefState] = {}
-        self._outer: DisposeScope | None = None
         self._entered = False
-        self._closed = False
-        self._thread: ThreadData | None = None
+        self._thread: ThreadState | None = None
         self._locals_at_entry: set[int] = set()
 
     # -------------------------------------------------------------------------- lifecycle
     def __enter__(self) -> Self:
         if self._closed:
             raise ScopeError(
-                f"tensorscope.scope: {self._words()} is closed and cannot be re-entered; "
+                f"tensorscope.scope: {self.words()} is closed and cannot be re-entered; "
                 "create a new one with ts.scope()."
             )
         if self._entered:
             raise ScopeError(
-                f"tensorscope.scope: {self._words()} is already open; a scope is entered once "
+                f"tensorscope.scope: {self.words()} is already open; a scope is entered once "
                 "(use a new ts.scope() for each block, or @ts.scope() on a function)."
             )
-        outer = resolve_open(CURRENT_SCOPE.get())
-        self._outer = outer
+        current = CURRENT_SCOPE.get()
+        self._outer = current.resolve() if current is not None else None
         if self.report_leaks:
             frame = sys._getframe(1)
             self._locals_at_entry = {id(value) for value in frame.f_locals.values()}
             del frame
         self._entered = True
-        self._thread = thread_data()
+        self._thread = thread_state()
         CURRENT_SCOPE.set(self)
         _intercept.acquire(self._thread)
         return self
@@ -189,16 +173,18 @@ class DisposeScope:
         try:
             if self.report_leaks and frame is not None:
                 self.leaks = find_leaks(self, frame, self._locals_at_entry)
-            dispose_states(list(self._owned.values()), reason=f"when {self._words()} closed")
+            dispose_states(
+                self.owned_states(), reason=f"when {self.words()} closed", owner_thread=self._thread
+            )
         finally:
             self._owned.clear()
-            outer = resolve_open(self._outer)
+            outer = self._outer.resolve() if self._outer is not None else None
             if CURRENT_SCOPE.get() is self:
                 CURRENT_SCOPE.set(outer)
             if self._entered and self._thread is not None:
                 _intercept.release(self._thread)
         if self.leaks:  # warned last: a warning turned into an error must not stop the close
-            warn_leaks(self._words(), self.leaks)
+            warn_leaks(self.words(), self.leaks)
 
     def __call__(self, func: Callable[_P, _R]) -> Callable[_P, _R]:
         """Decorator: run each call of ``func`` in a new scope like this one."""
@@ -230,16 +216,20 @@ class DisposeScope:
     @property
     def outer(self) -> DisposeScope | None:
         """The enclosing open scope (``None`` at the outermost level)."""
-        self._check_open()
-        return resolve_open(self._outer)
+        self.check_open()
+        return self._outer.resolve() if self._outer is not None else None  # type: ignore[return-value]
 
     def tracked(self) -> list[TensorRef]:
         """A snapshot list of the live refs this scope owns."""
-        self._check_open()
+        self.check_open()
         return [t for t in (s() for s in list(self._owned.values())) if t is not None]
 
+    def __bool__(self) -> bool:
+        """A scope is truthy, open or closed, empty or not (``len()`` counts its refs)."""
+        return True
+
     def __len__(self) -> int:
-        self._check_open()
+        self.check_open()
         return len(self._owned)
 
     def __contains__(self, tensor: object) -> bool:
@@ -261,18 +251,18 @@ class DisposeScope:
         Unowned refs are adopted and refs owned by another scope move here (one ``attached``
         each); a plain ``torch.Tensor`` becomes a ref owned here and is returned.
         """
-        self._check_open()
+        self.check_open()
         refs: list[TensorRef] = []
         for tensor in tensors:
             if type(tensor) is DisposedTensor:
                 raise disposed_error(tensor)
             state = state_of(tensor) if isinstance(tensor, TensorRef) else None
             if state is None:
-                _check_convertible(tensor, "DisposeScope.include()")
+                check_convertible(tensor, "DisposeScope.include()")
                 tensor.__class__ = TensorRef
-                new_state(tensor, self, capture_site(), thread_data().counters)
+                register_ref(tensor, self, user_site(), thread_state().counters)
             elif state.owner is not self:
-                set_owner(state, self)
+                move_state(state, self)
                 state.counters.attached += 1
             refs.append(tensor)  # type: ignore[arg-type]
         return refs[0] if len(refs) == 1 else tuple(refs)
@@ -283,11 +273,11 @@ class DisposeScope:
     def exclude(self, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]: ...
     def exclude(self, *tensors: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, ...]:
         """Give up ownership of refs this scope owns (TorchSharp ``Detach``); others ignored."""
-        self._check_open()
+        self.check_open()
         for tensor in tensors:
             state = state_of(tensor)
             if state is not None and state.owner is self and state.disposal is None:
-                set_owner(state, None)
+                move_state(state, None)
                 state.counters.detached += 1
         return _one_or_tuple(tensors)
 
@@ -297,21 +287,23 @@ class DisposeScope:
     def move_to_outer(self, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]: ...
     def move_to_outer(self, *tensors: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, ...]:
         """Move refs this scope owns to the outer scope (unowned if none); others ignored."""
-        self._check_open()
-        outer = resolve_open(self._outer)
+        self.check_open()
+        outer = self._outer.resolve() if self._outer is not None else None
         for tensor in tensors:
             state = state_of(tensor)
             if state is not None and state.owner is self and state.disposal is None:
-                set_owner(state, outer)
+                move_state(state, outer)
                 if outer is None:
                     state.counters.detached += 1
         return _one_or_tuple(tensors)
 
     def dispose_everything(self) -> None:
         """Dispose every ref this scope owns now; the scope stays open."""
-        self._check_open()
+        self.check_open()
         dispose_states(
-            list(self._owned.values()), reason=f"by dispose_everything() of {self._words()}"
+            self.owned_states(),
+            reason=f"by dispose_everything() of {self.words()}",
+            owner_thread=self._thread,
         )
 
     def dispose_everything_but(self, *keep: Any) -> Any:
@@ -320,22 +312,15 @@ class DisposeScope:
         Kept refs stay owned and die at ``close()``; refs in ``keep`` this scope does not own
         are left alone. Returns ``keep`` (the single argument when given one).
         """
-        self._check_open()
+        self.check_open()
         kept = {id(t) for t in _flatten_keep(keep)}
-        doomed = [s for s in list(self._owned.values()) if s.key not in kept]
-        dispose_states(doomed, reason=f"by dispose_everything_but() of {self._words()}")
+        doomed = [s for s in self.owned_states() if s.key not in kept]
+        dispose_states(
+            doomed,
+            reason=f"by dispose_everything_but() of {self.words()}",
+            owner_thread=self._thread,
+        )
         return keep[0] if len(keep) == 1 else keep
-
-    # ------------------------------------------------------------------------------ helpers
-    def _check_open(self) -> None:
-        if self._closed:
-            raise ScopeError(
-                f"tensorscope.scope: {self._words()} is closed; only close(), is_closed, name "
-                "and `in` work on a closed scope."
-            )
-
-    def _words(self) -> str:
-        return f"scope {self.name!r}" if self.name else "an unnamed scope"
 
 
 def _one_or_tuple(tensors: tuple[torch.Tensor, ...]) -> torch.Tensor | tuple[torch.Tensor, ...]:
@@ -386,7 +371,8 @@ def scope(name: str | None = None, *, report_leaks: bool = False) -> DisposeScop
 
 def current_scope() -> DisposeScope | None:
     """The innermost open scope of this thread / asyncio task, or ``None``."""
-    return resolve_open(CURRENT_SCOPE.get())
+    current = CURRENT_SCOPE.get()
+    return current.resolve() if current is not None else None  # type: ignore[return-value]
 
 
 def _require_scope(what: str) -> DisposeScope:

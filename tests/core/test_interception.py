@@ -9,7 +9,6 @@ import torch
 from torch import nn
 
 import tensorscope as ts
-from tensorscope import _saved
 from tensorscope._state import STATES
 
 
@@ -20,17 +19,16 @@ def test_no_scope_means_plain_torch() -> None:
     assert torch._C._len_torch_dispatch_stack() == 0
 
 
-def test_mode_and_saved_hooks_are_pushed_only_while_scopes_are_open() -> None:
+def test_the_mode_is_pushed_only_while_scopes_are_open() -> None:
     assert torch._C._len_torch_dispatch_stack() == 0
     with ts.scope():
         assert torch._C._len_torch_dispatch_stack() == 1
         with ts.scope():
             assert torch._C._len_torch_dispatch_stack() == 1  # one mode per thread
     assert torch._C._len_torch_dispatch_stack() == 0
-    # no saved-tensor hooks left behind: a plain graph saves plain tensors
-    x = torch.ones(2, requires_grad=True)
-    y = x.exp()
-    assert y.grad_fn._saved_result is not None  # type: ignore[union-attr]
+    # tensorscope pushes no saved-tensor hooks (torch.func refuses to run under them)
+    with ts.scope():
+        assert torch._C._autograd._top_saved_tensors_default_hooks(False) is None
 
 
 def test_every_kind_of_result_is_owned() -> None:
@@ -128,17 +126,16 @@ def test_optimizer_state_is_never_owned_and_the_mode_is_restored_after_a_failing
     assert torch._C._len_torch_dispatch_stack() == 0
 
 
-def test_forward_without_backward_does_not_leak_graphs_or_aliases() -> None:
+def test_forward_without_backward_does_not_leak_graphs() -> None:
     w = nn.Parameter(torch.randn(16, 16))
     with ts.scope():
-        before_states, before_aliases = len(STATES), len(_saved.ALIASES)
+        before_states = len(STATES)
         for _ in range(200):
             h = torch.randn(4, 16)
             for _ in range(3):
-                h = (h @ w).tanh()  # tanh saves its output: a cycle if saved as is
+                h = (h @ w).tanh()  # tanh saves its output
         del h
         assert len(STATES) - before_states < 20
-        assert len(_saved.ALIASES) - before_aliases < 20
 
 
 def test_backward_through_a_disposed_saved_activation_raises() -> None:

@@ -171,9 +171,11 @@ def test_flow_demotes_activations_in_forward_and_prefetches_them_for_backward() 
     handle = ts.manage(model)
     for step in range(3):
         with ts.scope():
-            before = {p.uid for p in ts.residency._placements.values()}
+            before = {p.uid for p in ts.residency.ledger.placements.values()}
             out = model(x)
-            activations = [p for p in ts.residency._placements.values() if p.uid not in before]
+            activations = [
+                p for p in ts.residency.ledger.placements.values() if p.uid not in before
+            ]
             assert len(activations) >= 6  # the Tanh outputs saved for backward (at least)
             on_disk = sum(p.tier == "disk" for p in activations)
             ts.residency.report(reset=True)
@@ -204,6 +206,8 @@ def test_nothing_accumulates_across_managed_training_steps() -> None:
             opt.zero_grad()
             loss.backward()
             opt.step()
-        seen.append((ts.residency.managed_count(), len(ts.residency._meta_cache), ts.stats().live))
+        seen.append(
+            (ts.residency.managed_count(), len(ts.residency.ops._meta_cache), ts.stats().live)
+        )
     assert len(set(seen[1:])) == 1, seen  # placements, cached op signatures, live refs
     handle.remove()

@@ -84,7 +84,7 @@ EXIT_SCRIPT = r"""
 import torch, tensorscope as ts
 t = ts.ref(torch.ones(1024))
 t.demote()
-print(ts.residency._disk.directory, flush=True)
+print(ts.residency.disk.directory, flush=True)
 """
 
 

@@ -63,7 +63,7 @@ def test_private_offload_dir_is_removed_when_the_manager_lets_it_go(
     ts.residency.configure(offload_dir=None)
     t = ts.ref(torch.ones(256))
     t.demote()
-    directory = ts.residency._disk.directory  # type: ignore[union-attr]
+    directory = ts.residency.disk.directory
     assert os.path.isdir(directory) and os.listdir(directory) == []
     t.promote()
     del t
@@ -93,7 +93,7 @@ def test_a_truncated_offload_file_raises_and_the_ref_stays_on_disk() -> None:
     t.demote()
     placement = ts.residency.placement_of(t)
     assert placement is not None and placement.region is not None
-    os.ftruncate(placement.region._fd, 0)  # someone else truncated the file
+    os.ftruncate(placement.region.arena.fd, 0)  # someone else truncated the file
     with pytest.raises(ts.ResidencyError, match="truncated"):
         t.promote()
     assert t.tier == "disk"
@@ -159,9 +159,9 @@ def test_device_can_be_assigned_like_the_seed() -> None:
 def test_a_dead_storages_offload_file_is_reused_by_the_next_of_its_size(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    from tensorscope import tiers
+    from tensorscope.residency import disk
 
-    tier = tiers.DiskTier(None)
+    tier = disk.DiskTier(None)
     try:
         first = torch.arange(2048, dtype=torch.float32)
         region = tier.store(first.data_ptr(), first.nbytes)
@@ -173,28 +173,28 @@ def test_a_dead_storages_offload_file_is_reused_by_the_next_of_its_size(
         second = torch.full((2048,), 7.0)
         again = tier.store(second.data_ptr(), second.nbytes)
         assert again is region and tier.pooled_bytes == 0  # same file, new bytes
-        assert torch.equal(torch.frombuffer(region._view, dtype=torch.float32), second)
+        assert torch.equal(torch.empty(0).set_(region.storage()).view(torch.float32), second)
         # The pool never holds more than the live regions (or its small floor).
-        monkeypatch.setattr(tiers, "_POOL_MIN_BYTES", 0)
+        monkeypatch.setattr(disk, "_POOL_MIN_BYTES", 0)
         tier.release(again, reusable=True)
         assert tier.pooled_bytes <= tier.live_bytes
     finally:
         tier.close()
 
 
-def test_training_steps_reuse_the_gradients_offload_files(
+def test_training_steps_reuse_the_gradients_offload_regions(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    from tensorscope import tiers
+    from tensorscope.residency import disk
 
     created: list[int] = []
-    new_file = tiers.DiskTier._new_file
+    new_region = disk.DiskTier._region
 
-    def counting(self: tiers.DiskTier) -> int:
+    def counting(self: disk.DiskTier, nbytes: int) -> disk.DiskRegion:
         created.append(1)
-        return new_file(self)
+        return new_region(self, nbytes)
 
-    monkeypatch.setattr(tiers.DiskTier, "_new_file", counting)
+    monkeypatch.setattr(disk.DiskTier, "_region", counting)
     torch.manual_seed(0)
     model = torch.nn.Sequential(*[torch.nn.Linear(64, 64) for _ in range(6)])
     ts.residency.configure(policy="flow", budget="96KiB")  # weights + grads + Adam: ~300 KiB
@@ -209,7 +209,7 @@ def test_training_steps_reuse_the_gradients_offload_files(
             model(x).square().mean().backward()
             opt.step()
         per_step.append(len(created) - before)
-    # The first steps create files (optimizer state, first grads); later grads reuse them.
+    # The first steps carve regions (optimizer state, first grads); later grads reuse them.
     assert per_step[0] > 0 and sum(per_step[3:]) == 0, per_step
     assert ts.residency.report().peak_bytes <= 96 * 1024
     handle.remove()

@@ -1,94 +1,28 @@
-"""A placement: one managed storage, which tier its bytes are on, and how they move.
-
-Placements are keyed by the address of the storage's ``StorageImpl``: every tensor sharing the
-storage (views, autograd's saved copies, an optimizer's reference, the wrapper autograd makes
-when it unpacks a saved tensor) finds the same placement, whatever Python object it is.
-The placement holds one reference to the storage; when that is the only one left (the storage's
-use count is 1), nothing else can use the bytes and the manager forgets the placement.
-"""
+"""Byte moves between tiers for one device (the manager decides, these move)."""
 
 from __future__ import annotations
 
-import itertools
-import threading
 import time
 import warnings
-from collections.abc import Hashable
 
 import torch
 
-from tensorscope._torch import cuda_event, new_storage, storage_use_count
+from tensorscope._torch import cuda_event, new_storage, no_dispatch
 from tensorscope.errors import ResidencyError, ResidencyWarning
-from tensorscope.tiers import (
-    DeviceTier,
-    DiskRegion,
-    DiskTier,
-    HostTier,
-    TierName,
-    empty_storage,
-    swap_in,
-)
+from tensorscope.residency.disk import DiskRegion, DiskTier
+from tensorscope.residency.placement import Placement
+from tensorscope.residency.tiers import DeviceTier, HostTier, TierName, empty_storage, swap_in
 
-__all__ = ["Movers", "Placement"]
-
-_uids = itertools.count(1)
-_quiet = torch._C._DisableTorchDispatch
+__all__ = ["Movers", "truncated_error"]
 
 
-class Placement:
-    """Where one managed storage's bytes are."""
-
-    __slots__ = (
-        "group",
-        "host",
-        "key",
-        "last_use",
-        "nbytes",
-        "pending",
-        "region",
-        "role",
-        "storage",
-        "tier",
-        "uid",
-        "written",
+def truncated_error(placement: Placement) -> ResidencyError:
+    return ResidencyError(
+        f"tensorscope.residency: the offload file of a {placement.nbytes}-byte tensor was "
+        "truncated or overwritten behind the manager's back; its data cannot be read. Nothing "
+        "touched the mapping (that would have crashed the process). Remove the model's "
+        "management (handle.remove(): the lost bytes read as zeros) or reload it."
     )
-
-    def __init__(self, storage: torch.UntypedStorage, role: Hashable | None, group: int) -> None:
-        self.uid = next(_uids)
-        self.storage = storage
-        self.key = int(storage._cdata)
-        self.nbytes = storage.nbytes()
-        self.tier: TierName = "device"
-        self.region: DiskRegion | None = None  # the disk copy (CPU device: the memory itself)
-        self.host: torch.UntypedStorage | None = None  # pinned copy (CUDA device only)
-        self.role: Hashable = self.uid if role is None else role  # identity across iterations
-        self.group = group  # uid of the parameter this belongs to (its grad, optimizer state)
-        self.last_use = -1
-        # A prefetch in flight: a thread's Event (CPU) or a CUDA event on the copy stream.
-        self.pending: threading.Event | torch.cuda.Event | None = None
-        self.written = False
-
-    def alive_elsewhere(self) -> bool:
-        """Whether anything but this placement still holds the storage."""
-        return storage_use_count(self.key) > 1
-
-    def wait(self) -> None:
-        """Block until a prefetch of this placement (if any) has landed.
-
-        For a CUDA copy this makes the current stream wait for the copy stream, without
-        blocking the host.
-        """
-        pending = self.pending
-        if pending is None:
-            return
-        if isinstance(pending, threading.Event):
-            pending.wait()
-        else:
-            torch.cuda.current_stream().wait_event(pending)
-        self.pending = None
-
-    def __repr__(self) -> str:
-        return f"<Placement #{self.uid} {self.nbytes} B on {self.tier}>"
 
 
 class Movers:
@@ -114,7 +48,7 @@ class Movers:
 
     # ------------------------------------------------------------------------------ demote
     def demote(self, placement: Placement, target: TierName) -> float:
-        with _quiet():  # the manager's own copies must not re-enter the interceptor
+        with no_dispatch():  # the manager's own copies must not re-enter the interceptor
             return self._demote(placement, target)
 
     def _demote(self, placement: Placement, target: TierName) -> float:
@@ -167,7 +101,7 @@ class Movers:
         stays resident). Later moves of it then only map and drop pages."""
         if not self.device.is_cpu or placement.region is not None or placement.tier != "device":
             return
-        with _quiet():
+        with no_dispatch():
             region = self._move_into_file(placement)
             region.populate(write=placement.written)
 
@@ -178,16 +112,18 @@ class Movers:
 
     # ----------------------------------------------------------------------------- promote
     def check_readable(self, placement: Placement) -> None:
+        """Raise before touching a placement whose file was truncated (see disk.py's NOTE)."""
         region = placement.region
-        if placement.tier == "disk" and (region is None or not region.intact()):
-            raise ResidencyError(
-                f"tensorscope.residency: the offload file of a {placement.nbytes}-byte tensor is "
-                "missing or truncated; its data cannot be read back. It stays on the disk tier."
-            )
+        if region is None:
+            if placement.tier == "disk":
+                raise truncated_error(placement)
+            return
+        if not region.intact():
+            raise truncated_error(placement)
 
     def promote(self, placement: Placement, background: bool = False) -> float:
         """Bring the bytes to the device (``check_readable`` first: this must not fail)."""
-        with _quiet():
+        with no_dispatch():
             return self._promote(placement, background)
 
     def _promote(self, placement: Placement, background: bool) -> float:
@@ -198,7 +134,8 @@ class Movers:
         if self.device.is_cpu:
             region = placement.region
             assert region is not None  # a CPU placement off the device always has a region
-            region.populate(write=placement.written)
+            if not region.populate(write=placement.written):
+                raise truncated_error(placement)
         else:
             if placement.tier == "host" and placement.host is not None:
                 source = placement.host
@@ -226,7 +163,7 @@ class Movers:
     def materialize(self, placement: Placement) -> None:
         """Give the storage ordinary device memory again (used when a tensor stops being
         managed), so nothing keeps pointing into an offload file."""
-        with _quiet():
+        with no_dispatch():
             self._materialize(placement)
 
     def _materialize(self, placement: Placement) -> None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import threading
 
-from tensorscope._placement import Placement
+from tensorscope.residency.placement import Placement
 
 __all__ = ["Prefetcher"]
 

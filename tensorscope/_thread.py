@@ -1,0 +1,204 @@
+"""Per-thread state: the one place that says what tensorscope keeps for each thread.
+
+# NOTE [per-thread state, in one table]
+# ``ThreadState`` (one per thread, ``thread_state()``) and the ``CURRENT_SCOPE`` context variable
+# (one per thread *and* asyncio task) are everything that varies by thread:
+#
+# | field              | meaning                                                     | written by |
+# |--------------------|-------------------------------------------------------------|------------|
+# | CURRENT_SCOPE      | innermost scope entered in this thread/task (maybe closed:  | scope.py   |
+# |                    | ``Owner.resolve()`` walks out to the nearest open one)      |            |
+# | counters           | ``ts.stats()``: refs this thread created/disposed/moved     | _state.py  |
+# | mode               | this thread's dispatch mode (``Interceptor``), made once    | _intercept |
+# | pushed             | ``mode`` is on this thread's torch dispatch stack           | here       |
+# | scope_users        | open scopes entered on this thread                          | scope.py   |
+# | residency_users    | 1 while the residency manager routes this thread's ops      | residency  |
+# |                    | (``ts.manage()`` or a demotion ran here; the manager itself |            |
+# |                    | is process-wide: ``_slot.ACTIVE`` while it manages anything)|            |
+# | popped_for         | why ``mode`` is off the stack for a while: "optimizer" (a   | here       |
+# |                    | step: nothing it makes is owned), "backward" (a ref's       |            |
+# |                    | ``backward()``), or None                                    |            |
+# | regions            | open ``record_function`` regions seen by the mode; True for | _intercept |
+# |                    | torch.optim's step/zero_grad regions                        |            |
+# | unowned_depth      | > 0 inside such an optimizer region (results not owned)     | _intercept |
+# | pending            | tensors whose memory a close on another thread disposed;    | ref.py     |
+# |                    | released by this thread at its next op or scope event       |            |
+#
+# Whether an op result becomes a ref owned by a scope is decided, in this order, by: the mode
+# being pushed and not popped (``pushed``, ``popped_for``); the op not mutating its inputs (an
+# in-place op's result is its input); ``unowned_depth == 0``; an open scope
+# (``CURRENT_SCOPE`` resolved); the result being a plain ``torch.Tensor`` that is not one of the
+# op's inputs (no-op conversions under inference mode return their input); no state maker on
+# the call stack (``_sites.NOT_OWNED``); and, for a gradient being made by autograd's
+# AccumulateGrad, the leaf's own owner instead of the current scope.
+#
+# NOTE [cross-thread close]
+# A scope may be closed from another thread. Its refs are disposed at once (class switch,
+# statistics, version counters: every later use raises), but their memory is released by the
+# scope's own thread, at its next op or scope event: freeing a storage while that thread's
+# kernel reads it would crash or corrupt (a dispatch mode runs before an op's kernel, never in
+# the middle of one). A thread that has ended releases nothing more, so the closer does it.
+
+Layer 2: imports only layers 0-2.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import weakref
+from collections.abc import Iterator
+from contextvars import ContextVar
+from typing import TYPE_CHECKING, Literal
+
+import torch
+
+from tensorscope._state import Counters, Owner
+from tensorscope._torch import mode_on_top, pop_mode, push_mode
+
+if TYPE_CHECKING:
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+__all__ = ["CURRENT_SCOPE", "ThreadState", "all_thread_states", "thread_state"]
+
+# The innermost scope entered in this thread / asyncio task (contextvars give both for free).
+CURRENT_SCOPE: ContextVar[Owner | None] = ContextVar("tensorscope_current_scope", default=None)
+
+PopReason = Literal["optimizer", "backward"]
+
+
+class ThreadState:
+    """Everything tensorscope keeps per thread (see the table in the module NOTE)."""
+
+    __slots__ = (
+        "__weakref__",
+        "counters",
+        "mode",
+        "pending",
+        "pending_lock",
+        "popped_for",
+        "pushed",
+        "regions",
+        "residency_users",
+        "scope_users",
+        "thread",
+        "thread_id",
+        "unowned_depth",
+    )
+
+    def __init__(self) -> None:
+        self.counters = Counters()
+        self.mode: TorchDispatchMode | None = None
+        self.pushed = False
+        self.scope_users = 0
+        self.residency_users = 0
+        self.popped_for: PopReason | None = None
+        self.regions: list[bool] = []
+        self.unowned_depth = 0
+        self.pending: list[torch.Tensor] = []
+        self.pending_lock = threading.Lock()
+        self.thread_id = threading.get_ident()
+        self.thread = weakref.ref(threading.current_thread())
+
+    # ------------------------------------------------------------------------------ queries
+    @property
+    def on_this_thread(self) -> bool:
+        return self.thread_id == threading.get_ident()
+
+    @property
+    def alive(self) -> bool:
+        """Whether the thread this state belongs to is still running."""
+        thread = self.thread()
+        return thread is not None and thread.is_alive()
+
+    @property
+    def wanted(self) -> bool:
+        """Whether something on this thread needs the mode (a scope or managed tensors)."""
+        return self.scope_users > 0 or self.residency_users > 0
+
+    # ------------------------------------------------------------------ the mode on the stack
+    def push(self) -> None:
+        """Put the mode on this thread's dispatch stack (on this thread only)."""
+        if not self.pushed and self.mode is not None and self.popped_for is None:
+            push_mode(self.mode)
+            self.pushed = True
+
+    def pop(self) -> None:
+        """Take the mode off the stack, if it is on top (a mode pushed above ours and not yet
+        exited keeps ours pushed, idle until the next scope event)."""
+        if self.pushed and self.mode is not None and mode_on_top(self.mode):
+            pop_mode()
+            self.pushed = False
+
+    def pop_for(self, reason: PopReason) -> bool:
+        """Pop the mode for a while (an optimizer step, a backward pass); True if popped."""
+        if not self.pushed or self.popped_for is not None or self.mode is None:
+            return False
+        if not mode_on_top(self.mode):
+            return False
+        pop_mode()
+        self.pushed = False
+        self.popped_for = reason
+        return True
+
+    def resume(self, step_completed: bool = False) -> None:
+        """Push the mode back after ``pop_for`` (also after a step that raised, at the next
+        scope event).
+
+        torch.optim opens its record_function region before the pre-hook pops the mode and
+        closes it after the post-hook pushes it back; a step that raised closed it unseen, so
+        its entry is settled here unless the step completed.
+        """
+        if self.popped_for is None:
+            return
+        settle = self.popped_for == "optimizer" and not step_completed and self.regions
+        if settle and self.regions.pop():
+            self.unowned_depth -= 1
+        self.popped_for = None
+        if self.wanted and self.mode is not None:
+            push_mode(self.mode)
+            self.pushed = True
+
+    def take_pending(self) -> list[torch.Tensor]:
+        """The tensors left for this thread to release (see the NOTE on cross-thread close)."""
+        if not self.pending:
+            return []
+        with self.pending_lock:
+            pending, self.pending = self.pending, []
+        return pending
+
+    def defer(self, tensors: list[torch.Tensor]) -> None:
+        with self.pending_lock:
+            self.pending.extend(tensors)
+
+
+class _Local(threading.local):
+    def __init__(self) -> None:
+        self.state = ThreadState()
+        _ALL.add(self.state)
+
+
+_ALL: weakref.WeakSet[ThreadState] = weakref.WeakSet()
+_local = _Local()
+
+
+def thread_state() -> ThreadState:
+    """This thread's :class:`ThreadState`."""
+    return _local.state
+
+
+def all_thread_states() -> list[ThreadState]:
+    """The states of threads that are alive or still referenced."""
+    return list(_ALL)
+
+
+@contextlib.contextmanager
+def mode_popped(reason: PopReason) -> Iterator[None]:
+    """Run a block with this thread's mode off the stack (if it is pushed and on top)."""
+    state = thread_state()
+    popped = state.pop_for(reason)
+    try:
+        yield
+    finally:
+        if popped and state.popped_for == reason:
+            state.resume()

@@ -1,0 +1,582 @@
+"""The residency manager (the seed's tensorsManager): a byte budget on the device tier.
+
+``ts.residency`` is the process-wide manager. Before every op on managed tensors it makes the
+operands resident on the device, asking the policy what to demote to make room, and after the op
+it applies the policy's demotions and prefetches (``oppath.py``). See docs/api.md §4 and
+docs/residency.md.
+
+# NOTE [what is managed]
+# Parameters and buffers given to ``ts.manage``; tensors explicitly demoted; and new storages made
+# by ops on managed tensors when (a) a scope is open (activations and temporaries), (b) an
+# optimizer step runs (its state), or (c) autograd accumulates a managed parameter's ``.grad``.
+# Outside scopes, results of ops on managed tensors are plain temporaries, not managed.
+#
+# NOTE [threads]
+# One lock protects the ledger, the policy, the recorders and the tiers. An op holds it only
+# while its operands are made resident and while its results are registered, not while it
+# computes: meanwhile its operands are *pinned* (``Placement.pins``), so no other thread demotes
+# them, and the bytes of its results are *reserved* in the ledger, so two threads' ops together
+# never pass the budget. A thread that cannot make room because other threads' ops pin the
+# bytes waits for one of them to finish (``_room``); with no op in flight elsewhere it raises
+# ``OutOfBudgetError``. Each thread records its own trace for Flow's predictions.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import weakref
+from collections.abc import Hashable, Iterable
+from typing import Any
+
+import torch
+
+from tensorscope import _intercept
+from tensorscope._slot import set_residency_active
+from tensorscope._thread import ThreadState, thread_state
+from tensorscope._torch import cuda_stream
+from tensorscope._units import format_bytes
+from tensorscope.errors import (
+    ArgumentTypeError,
+    InvalidArgumentError,
+    OutOfBudgetError,
+    ResidencyError,
+)
+from tensorscope.graph.record import Recorder
+from tensorscope.policies import Action, Flow, Policy
+from tensorscope.residency import config, room
+from tensorscope.residency.disk import DiskTier
+from tensorscope.residency.ledger import Ledger
+from tensorscope.residency.movers import Movers
+from tensorscope.residency.oppath import OpPath
+from tensorscope.residency.placement import Placement
+from tensorscope.residency.prefetch import Prefetcher
+from tensorscope.residency.report import ResidencyReport, TierReport, Transfers
+from tensorscope.residency.signals import watch_private_dirs
+from tensorscope.residency.tiers import (
+    TIER_ORDER,
+    DeviceTier,
+    HostTier,
+    TierName,
+    release_free_heap,
+)
+
+__all__ = ["ResidencyManager"]
+
+_UNSET: Any = object()
+_SWEEP_EVERY = 64  # ops between sweeps of placements nothing else holds any more
+_WAIT_S = 0.05  # re-check for room this often while other threads' ops hold it
+
+
+def _default_device() -> torch.device:
+    return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+
+
+class ResidencyManager:
+    """Budget, tiers and policy for managed tensors. Use the singleton ``ts.residency``.
+
+    Example:
+        >>> import torch, tensorscope as ts
+        >>> ts.residency.configure(device="cpu", policy="genoa", budget="64MiB")
+        >>> t = ts.ref(torch.ones(1024))
+        >>> t.demote().tier
+        'disk'
+        >>> (t + 1).sum().item(), t.tier
+        (2048.0, 'disk')
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.RLock()
+        self._room = threading.Condition(self._lock)  # notified when an op unpins
+        self._device = _default_device()
+        self._policy: Policy = Flow()
+        self._budget: int | None = None
+        self._offload_dir: str | None = None
+        self._disk: DiskTier | None = None
+        self._host: HostTier | None = None
+        self._copy_stream: torch.cuda.Stream | None = None
+        self._movers: Movers | None = None
+        self._prefetcher: Prefetcher | None = None
+        self.ledger = Ledger()
+        self._recorders: dict[int, Recorder] = {}
+        self.clock = 0
+        self.in_flight = 0  # ops between before() and after(), on all threads
+        self._since_sweep = 0
+        self._threads: dict[int, ThreadState] = {}  # threads whose mode routes ops here
+        self._handles: weakref.WeakSet[Any] = weakref.WeakSet()  # live ts.manage() handles
+        self.ops = OpPath(self)
+
+    # ------------------------------------------------------------------------ configuration
+    def configure(
+        self,
+        device: str | torch.device = _UNSET,
+        policy: str | Policy = _UNSET,
+        budget: int | str | None = _UNSET,
+        offload_dir: str | os.PathLike[str] | None = _UNSET,
+    ) -> None:
+        """Set the device, policy, budget and offload directory (omitted ones are unchanged).
+
+        Args:
+            device: "cuda", "cpu" or a ``torch.device``; default CUDA when available.
+            policy: "flow" (default), "genoa", ``ts.Flow()``, ``ts.Genoa()`` or your own.
+            budget: hard limit on managed bytes on the device: bytes, or "6GiB", "300MiB",
+                "1.5GB"; ``None`` for no limit. A smaller budget demotes the excess at once.
+            offload_dir: directory for the disk tier; ``None`` for a private temporary one.
+
+        Raises:
+            InvalidArgumentError: (a ValueError) unparsable, zero or negative budget, unknown
+                policy or device, an empty offload_dir.
+            ArgumentTypeError: (a TypeError) a value of the wrong type (a policy class).
+            ResidencyError: an unwritable or unsafe ``offload_dir``, or one changed while data
+                is on disk; a new device while tensors are managed.
+        """
+        new_budget = self._budget if budget is _UNSET else config.parse_budget(budget)
+        new_policy = self._policy if policy is _UNSET else config.parse_policy(policy)
+        new_device = self._device if device is _UNSET else config.parse_device(device)
+        new_dir: Any = _UNSET if offload_dir is _UNSET else config.check_offload_dir(offload_dir)
+        with self._lock:
+            if new_device != self._device and self.ledger.placements:
+                raise ResidencyError(
+                    f"tensorscope.residency: cannot move {len(self.ledger)} managed tensors "
+                    f"from {self._device} to {new_device}; remove() them first."
+                )
+            if new_dir is not _UNSET:
+                self._set_offload_dir(new_dir)  # a checked str or None
+            if new_device != self._device:
+                self._copy_stream = None
+                self._movers = None
+            self._device = new_device
+            if new_policy is not self._policy:
+                self._policy = new_policy
+                self._recorders.clear()
+            self._budget = new_budget
+            self.ledger.reset_peaks()
+            if new_budget is not None and self.ledger.device_total > new_budget:
+                self.make_room(0, "configure(budget=...)")
+
+    def _set_offload_dir(self, wanted: str | None) -> None:
+        if wanted == self._offload_dir and self._disk is not None:
+            return
+        if any(p.region is not None for p in self.ledger.placements.values()):
+            raise ResidencyError(
+                "tensorscope.residency: cannot change offload_dir while managed tensors live in "
+                "its files; remove() them (handle.remove(), or let them die) first."
+            )
+        disk = self._new_disk(wanted)  # raises ResidencyError if unusable
+        if self._disk is not None:
+            self._disk.close()
+        self._disk = disk
+        self._offload_dir = wanted
+
+    @staticmethod
+    def _new_disk(directory: str | None) -> DiskTier:
+        disk = DiskTier(directory)
+        if disk.private:
+            watch_private_dirs()
+        return disk
+
+    @property
+    def device(self) -> torch.device:
+        """The compute device (assignable: ``ts.residency.device = "cuda"``)."""
+        return self._device
+
+    @device.setter
+    def device(self, value: str | torch.device) -> None:
+        self.configure(device=value)
+
+    @property
+    def budget_bytes(self) -> int | None:
+        return self._budget
+
+    @property
+    def policy(self) -> Policy:
+        return self._policy
+
+    @property
+    def tiers(self) -> tuple[TierName, ...]:
+        """The tiers in use, top to bottom (no host tier when the device is the CPU)."""
+        if self._device.type == "cpu":
+            return ("device", "disk")
+        return TIER_ORDER
+
+    @property
+    def disk(self) -> DiskTier:
+        """The disk tier (made on first use)."""
+        if self._disk is None:
+            self._disk = self._new_disk(self._offload_dir)
+        return self._disk
+
+    def movers(self) -> Movers:
+        if self._device.type == "cuda":
+            if self._host is None:
+                self._host = HostTier()
+            if self._copy_stream is None:
+                self._copy_stream = cuda_stream(self._device)
+        disk = self.disk
+        if self._movers is None or self._movers.disk is not disk:
+            self._movers = Movers(DeviceTier(self._device), self._host, disk, self._copy_stream)
+        return self._movers
+
+    def recorder(self) -> Recorder:
+        """This thread's trace recorder (each thread predicts from its own iterations)."""
+        ident = threading.get_ident()
+        recorder = self._recorders.get(ident)
+        if recorder is None:
+            recorder = self._recorders[ident] = Recorder()
+        return recorder
+
+    # ------------------------------------------------------------------------------- report
+    def report(self, reset: bool = False) -> ResidencyReport:
+        """Resident and peak bytes per tier, transfers, prefetches. ``reset`` restarts peaks."""
+        with self._lock:
+            self.sweep()
+            ledger = self.ledger
+            counts: dict[str, int] = dict.fromkeys(self.tiers, 0)
+            for placement in ledger.placements.values():
+                counts[placement.tier] = counts.get(placement.tier, 0) + 1
+            tiers: dict[str, TierReport] = {
+                name: TierReport(ledger.bytes[name], ledger.peak[name], counts.get(name, 0))
+                for name in self.tiers
+            }
+            count, nbytes, seconds = ledger.transfers
+            rep = ResidencyReport(
+                str(self._device),
+                getattr(self._policy, "name", type(self._policy).__name__),
+                self._budget,
+                tiers,
+                Transfers(int(count), int(nbytes), float(seconds)),
+                ledger.prefetched,
+            )
+            if reset:
+                ledger.reset_counters()
+            return rep
+
+    # ------------------------------------------------------------------------ registration
+    def placement_of(self, tensor: torch.Tensor) -> Placement | None:
+        """The placement managing ``tensor``'s storage, or None."""
+        return self.ledger.find(tensor)
+
+    def register(
+        self, tensor: torch.Tensor, role: Hashable | None = None, group: int = 0
+    ) -> Placement:
+        """Manage ``tensor``'s storage (idempotent); it starts on the device tier."""
+        with self._lock:
+            existing = self.ledger.find(tensor)
+            if existing is not None:
+                return existing
+            if tensor.layout is not torch.strided or tensor.device.type == "meta":
+                raise ArgumentTypeError(
+                    "tensorscope.residency: only dense (strided) tensors can be managed; got "
+                    f"layout {tensor.layout} on {tensor.device}."
+                )
+            if tensor.device.type != self._device.type:
+                raise ResidencyError(
+                    f"tensorscope.residency: this tensor is on {tensor.device} but the device "
+                    f"tier is {self._device}; move it first (.to({str(self._device)!r}))."
+                )
+            placement = Placement(tensor.untyped_storage(), role, group)
+            self.add(placement)
+            self.attach_thread()
+            return placement
+
+    def add(self, placement: Placement) -> None:
+        if not self.ledger.placements:
+            set_residency_active(self, True)
+        self.ledger.add(placement)
+
+    def attach_thread(self) -> None:
+        """Route this thread's ops through the manager (until nothing is managed)."""
+        state = thread_state()
+        if state.thread_id not in self._threads:
+            _intercept.acquire(state, residency=True)
+            self._threads[state.thread_id] = state
+
+    def _detach_threads(self) -> None:
+        for state in list(self._threads.values()):
+            _intercept.release(state, residency=True)
+        self._threads.clear()
+        set_residency_active(self, False)
+
+    def unregister(self, placement: Placement) -> None:
+        """Stop managing: the bytes go back to ordinary device memory."""
+        with self._lock:
+            if self.ledger.placements.get(placement.key) is not placement:
+                return
+            placement.wait()
+            source = placement.tier
+            self.movers().materialize(placement)
+            self.ledger.account(source, -placement.nbytes)
+            self.ledger.account("device", placement.nbytes)
+            self._forget(placement)
+
+    def _forget(self, placement: Placement) -> None:
+        placement.wait()
+        region = self.ledger.forget(placement)
+        if region is not None and self._disk is not None:
+            # Nothing uses its memory any more (the storage died, or has other memory now).
+            self._disk.release(region, reusable=True)
+        if not self.ledger.placements and self._threads:
+            self._detach_threads()
+
+    def sweep(self, keys: Iterable[int] | None = None) -> None:
+        """Forget placements whose storage nothing but the placement still holds."""
+        self._since_sweep = 0
+        placements = self.ledger.placements
+        candidates = (
+            list(placements.values())
+            if keys is None
+            else [p for k in keys if (p := placements.get(k)) is not None]
+        )
+        for placement in candidates:
+            if not placement.pins and not placement.alive_elsewhere():
+                self._forget(placement)
+
+    # ----------------------------------------------------------------- public moves (hooks)
+    def demote(self, tensor: torch.Tensor, tier: str | None = None) -> None:
+        """Move ``tensor``'s data down to ``tier`` (default: the next tier below its own)."""
+        with self._lock:
+            target = None if tier is None else self._check_tier(tier)
+            placement = self.register(tensor)
+            self.demote_placement(placement, target)
+
+    def promote(self, tensor: torch.Tensor) -> None:
+        """Bring ``tensor``'s data to the device tier, making room under the budget."""
+        with self._lock:
+            placement = self.ledger.find(tensor)
+            if placement is None or placement.tier == "device":
+                return
+            self.check_fits(placement.nbytes, "promote()")
+            placement.pins += 1
+            try:
+                self.make_room(placement.nbytes, "promote()")
+                self.promote_placement(placement)
+            finally:
+                placement.pins -= 1
+
+    def tier_of(self, tensor: torch.Tensor) -> TierName:
+        placement = self.ledger.find(tensor)
+        if placement is not None:
+            return placement.tier
+        return "device" if tensor.device.type == self._device.type else "host"
+
+    def storages_disposed(self, keys: list[int]) -> None:
+        """Refs of these storages were disposed: forget placements nothing else holds."""
+        if not self.ledger.placements:
+            return
+        with self._lock:
+            self.sweep(keys if keys else None)
+
+    def run_op(
+        self,
+        func: Any,
+        kind: int,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any] | None,
+        scope_open: bool,
+    ) -> Any:
+        """Run ``func`` with its managed operands resident (see oppath.py)."""
+        return self.ops.run(func, kind, args, kwargs, scope_open)
+
+    def iteration_boundary(self) -> None:
+        """End of an iteration (an optimizer step): the trace so far predicts the next one."""
+        with self._lock:
+            self.recorder().boundary()
+            self.iteration_end()
+
+    def iteration_end(self) -> None:
+        self.sweep()
+        self.release_heap()
+
+    # ------------------------------------------------------------------------------- moves
+    def _check_tier(self, tier: object) -> TierName:
+        if tier not in TIER_ORDER:
+            raise InvalidArgumentError(
+                f"tensorscope.residency: unknown tier {tier!r}; use 'device', 'host' or 'disk'."
+            )
+        if tier not in self.tiers:
+            raise ResidencyError(
+                f"tensorscope.residency: there is no {tier} tier when the device is "
+                f"{self._device}; tiers here: {', '.join(self.tiers)}."
+            )
+        return tier  # type: ignore[return-value,unused-ignore]
+
+    def _lower(self, tier: str) -> TierName:
+        tiers = self.tiers
+        index = tiers.index(tier)  # type: ignore[arg-type,unused-ignore]
+        return tiers[min(index + 1, len(tiers) - 1)]
+
+    def demote_placement(self, placement: Placement, target: TierName | None = None) -> None:
+        source = placement.tier
+        target = target or self._lower(source)
+        if TIER_ORDER.index(target) <= TIER_ORDER.index(source):
+            return
+        seconds = self.movers().demote(placement, target)  # raises before changing anything
+        self.ledger.moved(placement, source, seconds)
+        self.release_heap()
+
+    def promote_placement(self, placement: Placement) -> None:
+        if placement.tier == "device":
+            return
+        movers = self.movers()
+        movers.check_readable(placement)
+        source = placement.tier
+        seconds = movers.promote(placement)
+        self.ledger.moved(placement, source, seconds)
+
+    def prefetch(self, placement: Placement) -> None:
+        """Account a placement as resident now; its bytes arrive in the background (pages
+        mapped by the prefetch thread on a CPU device, a copy stream on CUDA)."""
+        movers = self.movers()
+        movers.check_readable(placement)
+        source = placement.tier
+        if self._device.type == "cuda":
+            seconds = movers.promote(placement, background=True)
+        elif placement.tier != "disk":
+            self.promote_placement(placement)
+            return
+        else:
+            if self._prefetcher is None:
+                self._prefetcher = Prefetcher()
+            placement.pending = threading.Event()
+            placement.tier = "device"
+            self._prefetcher.submit(placement, placement.pending)
+            seconds = 0.0
+        self.ledger.moved(placement, source, seconds)
+        self.ledger.prefetched += 1
+
+    def check_fits(self, nbytes: int, what: str) -> None:
+        if self._budget is not None and nbytes > self._budget:
+            raise OutOfBudgetError(
+                f"tensorscope.residency: {what} needs {format_bytes(nbytes)} on the device at "
+                f"once, more than the whole budget of {format_bytes(self._budget)}. Nothing was "
+                "moved. Raise the budget (ts.residency.configure(budget=...)) or split the op."
+            )
+
+    def make_room(self, needed: int, what: str) -> None:
+        """Demote until ``needed`` more bytes fit the budget (see the NOTE on threads)."""
+        budget = self._budget
+        ledger = self.ledger
+        while budget is not None and ledger.device_total + needed > budget:
+            if self._since_sweep > 8:
+                self.sweep()  # placements nothing holds any more free room for nothing
+            shortfall = ledger.device_total + needed - budget
+            if shortfall <= 0:
+                return
+            for placement in room.victims(
+                ledger, self._policy, self.recorder(), budget, self.clock, shortfall
+            ):
+                if placement.tier == "device" and not placement.pins:
+                    self.demote_placement(placement)
+                    if ledger.device_total + needed <= budget:
+                        return
+            if self.in_flight > 0:  # other threads' ops hold the bytes: wait for one
+                self._room.wait(_WAIT_S)
+                continue
+            raise OutOfBudgetError(
+                f"tensorscope.residency: {what} needs {format_bytes(needed)} more on the device "
+                f"but only {format_bytes(max(0, budget - ledger.device_total))} of the "
+                f"{format_bytes(budget)} budget can be freed. Raise the budget."
+            )
+
+    def apply(self, actions: list[Action]) -> None:
+        """Apply a policy's demotions and prefetches (prefetches only where they fit)."""
+        budget = self._budget
+        ledger = self.ledger
+        for action in actions:
+            placement = ledger.by_uid.get(action.key)
+            if placement is None:
+                continue
+            if action.kind == "demote":
+                if placement.tier == "device" and not placement.pins:
+                    self.demote_placement(placement)
+            elif action.kind == "prefetch" and placement.tier != "device":
+                if budget is not None and ledger.device_total + placement.nbytes > budget:
+                    continue  # the policy's plan no longer fits: skip, the op will promote
+                self.prefetch(placement)
+
+    # ------------------------------------------------------------------------ ts.manage()
+    def manage_tensor(self, tensor: torch.Tensor, role: Hashable) -> Placement:
+        """Register a module's tensor for ``ts.manage()``: room is made first, so the
+        accounted peak stays within the budget from the start; a tensor larger than the whole
+        budget starts on the tier below."""
+        with self._lock:
+            budget = self._budget
+            if self.ledger.find(tensor) is None and budget is not None:
+                nbytes = tensor.untyped_storage().nbytes()
+                if nbytes <= budget:
+                    self.make_room(nbytes, "ts.manage()")
+            placement = self.register(tensor, role=role)
+            if budget is not None and placement.nbytes > budget:
+                self.demote_placement(placement)
+            return placement
+
+    def settle(self, uids: set[int]) -> None:
+        """End of ``ts.manage()``: under a budget on a CPU device, the weights that stay
+        resident move into the disk tier's files too (still mapped), so all of their old heap
+        memory goes back to the OS now rather than during the first forward; then the files
+        are flushed (written back now, not while the first iterations run)."""
+        with self._lock:
+            self.make_room(0, "ts.manage()")
+            if self._budget is not None:
+                self.back_with_files(uids)
+            self.release_heap(threshold=0)
+        self.flush_disk()
+
+    def unmanage(self, uids: set[int]) -> None:
+        """Stop managing these placements and everything grouped with them (their grads and
+        optimizer state): plain memory again."""
+        with self._lock:
+            for placement in list(self.ledger.placements.values()):
+                if placement.uid in uids or placement.group in uids:
+                    self.unregister(placement)
+            self.sweep()
+
+    def add_handle(self, handle: Any) -> None:
+        self._handles.add(handle)
+
+    # ------------------------------------------------------------------ CPU file backing
+    def back_with_files(self, uids: set[int]) -> None:
+        """CPU device: move the heap memory of these device-resident placements into mapped
+        disk regions; a full disk leaves them where they are."""
+        if self._device.type != "cpu":
+            return
+        movers = self.movers()
+        for placement in list(self.ledger.resident.values()):
+            if placement.uid in uids:
+                try:
+                    movers.back_with_file(placement)
+                except ResidencyError:
+                    return  # no room on disk: they stay in heap memory, which works too
+
+    def flush_disk(self) -> None:
+        """Write dirty offload pages to disk now, so background writeback does not compete
+        with the next iterations (called once by ``ts.manage()``)."""
+        with self._lock:
+            if self._disk is not None:
+                self._disk.flush()
+
+    def release_heap(self, threshold: int = 64 << 20) -> None:
+        """Return heap memory freed by first demotions to the OS once enough has piled up."""
+        movers = self._movers
+        if movers is not None and movers.migrated_bytes >= threshold:
+            movers.migrated_bytes = 0
+            release_free_heap()
+
+    # ------------------------------------------------------------------------------- misc
+    def managed_count(self) -> int:
+        return len(self.ledger)
+
+    def reset(self) -> None:
+        """Forget everything managed (data back in ordinary memory), statistics and traces;
+        ``ts.manage`` handles are removed. Configuration is kept."""
+        for handle in list(self._handles):
+            handle.remove()
+        with self._lock:
+            for placement in list(self.ledger.placements.values()):
+                self.unregister(placement)
+            self.sweep()
+            self.ledger = Ledger()
+            self._recorders.clear()
+            self.ops.clear_cache()
+            if self._threads:
+                self._detach_threads()

@@ -1,0 +1,329 @@
+"""The op path: what the interceptor runs around every op that touches managed tensors.
+
+Before the op: its managed operands are pinned (no thread may demote them while it runs), made
+resident (room made by demoting what the policy chooses; a truncated offload file raises here,
+before anything touches its mapping), and the bytes of the results it will create are reserved.
+After the op: the results are registered when they are to be managed, and the policy's
+demotions and prefetches are applied. A multi-tensor op too large for the budget runs in groups
+that fit (``split.py``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Iterable
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from tensorscope._intercept import GRAD_CANDIDATE, MUTATING, accumulate_grad_leaf
+from tensorscope._torch import no_dispatch, storage_address
+from tensorscope.policies import OpView
+from tensorscope.residency import room, split
+from tensorscope.residency.placement import Placement
+
+if TYPE_CHECKING:
+    from tensorscope.residency.manager import ResidencyManager
+
+__all__ = ["OpPath"]
+
+_SWEEP_EVERY = 64  # ops between sweeps of placements nothing else holds any more
+_META_CACHE_LIMIT = 4096  # op signatures whose result sizes are remembered
+
+
+def _tensors(args: Iterable[Any]) -> Iterable[torch.Tensor]:
+    for arg in args:
+        if isinstance(arg, torch.Tensor):
+            yield arg
+        elif isinstance(arg, (list, tuple)):
+            for item in arg:
+                if isinstance(item, torch.Tensor):
+                    yield item
+
+
+def _call(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any] | None) -> Any:
+    return func._op(*args, **kwargs) if kwargs else func._op(*args)
+
+
+class _Uncacheable(Exception):
+    """An argument that cannot be part of a cache key (the estimate is then not cached)."""
+
+
+def _signature(value: Any) -> Hashable:
+    """What decides an op's result sizes: tensor metadata and non-float arguments.
+
+    Floats (a learning rate, a step size) never decide shapes and change every step: keeping
+    their values would grow the cache without bound.
+    """
+    if isinstance(value, torch.Tensor):
+        return ("T", tuple(value.shape), value.stride(), value.dtype, value.device.type)
+    if isinstance(value, float):
+        return float
+    if isinstance(value, (list, tuple)):
+        return tuple(_signature(v) for v in value)
+    if isinstance(value, dict):
+        return tuple((k, _signature(v)) for k, v in value.items())
+    try:
+        hash(value)
+    except TypeError:
+        raise _Uncacheable from None
+    return value  # type: ignore[no-any-return]
+
+
+def _to_meta(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return torch.empty_strided(
+            tuple(value.shape), value.stride(), dtype=value.dtype, device="meta"
+        )
+    if isinstance(value, (list, tuple)):
+        return type(value)(_to_meta(v) for v in value)
+    return value
+
+
+def _result_sizes(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[int] | None:
+    """Bytes of each fresh result tensor of ``func`` (a meta run); None without a meta kernel."""
+    try:
+        meta_args = _to_meta(args)
+        meta_kwargs = {k: _to_meta(v) for k, v in kwargs.items()}
+        inputs = {storage_address(t) for t in _tensors((*meta_args, *meta_kwargs.values()))}
+        with no_dispatch(), torch.no_grad():
+            out = _call(func, meta_args, meta_kwargs)
+    except Exception:  # no meta kernel: accounted after the op instead
+        return None
+    flat = out if isinstance(out, (list, tuple)) else (out,)
+    sizes = []
+    for item in flat:
+        group = item if isinstance(item, (list, tuple)) else (item,)
+        for tensor in group:
+            if isinstance(tensor, torch.Tensor) and storage_address(tensor) not in inputs:
+                sizes.append(tensor.untyped_storage().nbytes())
+            else:
+                sizes.append(0)
+    return sizes
+
+
+class OpPath:
+    """Runs ops on managed tensors for the manager (see the module docstring)."""
+
+    def __init__(self, manager: ResidencyManager) -> None:
+        self.manager = manager
+        self._meta_cache: dict[Hashable, int] = {}
+
+    def clear_cache(self) -> None:
+        self._meta_cache.clear()
+
+    def operands(self, args: tuple[Any, ...], kwargs: dict[str, Any] | None) -> list[Placement]:
+        """The distinct placements of the managed tensors among an op's arguments."""
+        found: list[Placement] = []
+        placements = self.manager.ledger.placements
+        for source in (args, kwargs.values()) if kwargs else (args,):
+            for tensor in _tensors(source):
+                if tensor.layout is not torch.strided or tensor.device.type == "meta":
+                    continue
+                placement = placements.get(storage_address(tensor))
+                if placement is not None and placement not in found:
+                    found.append(placement)
+        return found
+
+    # ----------------------------------------------------------------------------- the op
+    def run(
+        self,
+        func: Any,
+        kind: int,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any] | None,
+        scope_open: bool,
+    ) -> Any:
+        operands = self.operands(args, kwargs)
+        if not operands:
+            return _call(func, args, kwargs)
+        manager = self.manager
+        group = 0
+        manage_results = False
+        if kind != MUTATING:
+            leaf = accumulate_grad_leaf() if kind == GRAD_CANDIDATE else None
+            if leaf is not None:  # a .grad in the making: managed with its parameter's group
+                leaf_placement = manager.ledger.find(leaf)
+                manage_results = leaf_placement is not None
+                group = leaf_placement.uid if leaf_placement is not None else 0
+            else:
+                manage_results = scope_open
+        estimate = self.estimate_results(func, args, kwargs or {}) if manage_results else 0
+        budget = manager.budget_bytes
+        if budget is not None and sum(p.nbytes for p in operands) + estimate > budget:
+            calls = self._split(func, args, kwargs or {}, budget, manage_results)
+            if calls is not None:
+                return split.join_results(
+                    [self.run(func, kind, a, k, scope_open) for a, k in calls]
+                )
+        self._before(func, operands, estimate)
+        try:
+            out = _call(func, args, kwargs)
+        except BaseException:
+            self._abort(operands, estimate)
+            raise
+        self._after(func, operands, estimate, out, manage_results, kind == MUTATING, group)
+        return out
+
+    def _before(self, func: Any, operands: list[Placement], estimate: int) -> None:
+        manager = self.manager
+        with manager._lock:
+            manager.clock += 1
+            manager._since_sweep += 1
+            if manager._since_sweep >= _SWEEP_EVERY:
+                manager.sweep()
+            name = str(func)
+            manager.check_fits(
+                sum(p.nbytes for p in operands) + estimate, f"op {name} (operands and results)"
+            )
+            for placement in operands:
+                placement.pins += 1
+            try:
+                movers = manager.movers()
+                arenas: dict[int, Placement] = {}
+                for placement in operands:
+                    region = placement.region
+                    if region is not None:
+                        arenas.setdefault(id(region.arena), placement)
+                for placement in arenas.values():
+                    movers.check_readable(placement)
+                missing = [p for p in operands if p.tier != "device"]
+                manager.make_room(sum(p.nbytes for p in missing) + estimate, f"op {name}")
+                for placement in missing:
+                    manager.promote_placement(placement)
+            except BaseException:
+                for placement in operands:
+                    placement.pins -= 1
+                manager._room.notify_all()
+                raise
+            manager.ledger.reserved += estimate
+            manager.in_flight += 1
+            recorder = manager.recorder()
+            iterations = recorder.iterations
+            recorder.record(func, tuple(p.role for p in operands))
+            if recorder.iterations != iterations:
+                manager.iteration_end()  # a repeated forward began a new iteration
+        for placement in operands:
+            placement.wait()
+
+    def _abort(self, operands: list[Placement], estimate: int) -> None:
+        manager = self.manager
+        with manager._lock:
+            manager.ledger.reserved -= estimate
+            manager.in_flight -= 1
+            for placement in operands:
+                placement.pins -= 1
+            manager._room.notify_all()
+
+    def _after(
+        self,
+        func: Any,
+        operands: list[Placement],
+        estimate: int,
+        out: Any,
+        manage_results: bool,
+        mutating: bool,
+        group: int,
+    ) -> None:
+        manager = self.manager
+        with manager._lock:
+            ledger = manager.ledger
+            ledger.reserved -= estimate
+            manager.in_flight -= 1
+            clock = manager.clock
+            for placement in operands:
+                placement.last_use = clock
+                if mutating:
+                    placement.written = True
+            results = self._register_results(out, operands, group) if manage_results else []
+            for placement in results:
+                placement.pins += 1
+            try:
+                budget = manager.budget_bytes
+                if budget is not None and ledger.device_total > budget:
+                    manager.make_room(0, f"op {func} (results)")  # the estimate was short
+                policy = manager.policy
+                wants = getattr(policy, "wants_snapshot_after_op", True)
+                snapshot = None
+                if wants:
+                    snapshot = room.snapshot(ledger, manager.recorder(), budget, clock, True)
+                view = OpView(
+                    str(func),
+                    tuple(p.uid for p in operands),
+                    tuple(p.uid for p in results),
+                    snapshot,
+                )
+                actions = policy.after_op(view)
+            finally:
+                for placement in (*operands, *results):
+                    placement.pins -= 1
+            manager.apply(actions)
+            manager._room.notify_all()
+
+    def _register_results(self, out: Any, operands: list[Placement], group: int) -> list[Placement]:
+        manager = self.manager
+        ledger = manager.ledger
+        # Results belong with the parameter their first operand belongs to (a grad or
+        # optimizer state goes away with its parameter on remove()).
+        if not group and operands:
+            group = operands[0].group or operands[0].uid
+        position = manager.recorder().position
+        results: list[Placement] = []
+        for index, tensor in enumerate(_tensors(out if isinstance(out, (list, tuple)) else (out,))):
+            if tensor.layout is not torch.strided or tensor.numel() == 0:
+                continue
+            found = ledger.placements.get(storage_address(tensor))
+            if found is None:
+                placement = Placement(tensor.untyped_storage(), ("new", position, index), group)
+                placement.last_use = manager.clock
+                manager.add(placement)
+            else:
+                placement = found
+                if placement.group != group and placement not in operands:
+                    placement.group = group  # e.g. an activation's storage became a .grad
+            if placement not in results:
+                results.append(placement)
+        return results
+
+    # -------------------------------------------------------------------------- estimates
+    def estimate_results(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> int:
+        """Bytes of fresh results ``func`` will allocate (meta run, cached per signature)."""
+        try:
+            key: Hashable = (func, _signature(args), _signature(kwargs))
+        except _Uncacheable:
+            return sum(_result_sizes(func, args, kwargs) or ())
+        cached = self._meta_cache.get(key)
+        if cached is None:
+            cached = sum(_result_sizes(func, args, kwargs) or ())
+            if len(self._meta_cache) >= _META_CACHE_LIMIT:
+                self._meta_cache.clear()  # shapes changed a lot: start afresh
+            self._meta_cache[key] = cached
+        return cached
+
+    def _split(
+        self,
+        func: Any,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        budget: int,
+        manage_results: bool,
+    ) -> list[tuple[tuple[Any, ...], dict[str, Any]]] | None:
+        """Calls of a multi-tensor op on index groups that fit the budget (None: not one)."""
+        if not split.is_multi_tensor(func):
+            return None
+        sizes = _result_sizes(func, args, kwargs) if manage_results else None
+        listed: set[int] = set()
+
+        def index_bytes(index: int) -> int:
+            total = sizes[index] if sizes is not None and index < len(sizes) else 0
+            one_index = split.slice_call(func, args, kwargs, range(index, index + 1))
+            for placement in self.operands(*one_index):
+                listed.add(placement.key)
+                total += placement.nbytes
+            return total
+
+        per_index = [index_bytes(i) for i in range(split.index_count(func, args, kwargs))]
+        fixed = sum(p.nbytes for p in self.operands(args, kwargs) if p.key not in listed)
+        chunks = split.plan_chunks(func, args, kwargs, lambda i: per_index[i], fixed, budget)
+        if chunks is None or len(chunks) < 2:
+            return None
+        return [split.slice_call(func, args, kwargs, chunk) for chunk in chunks]

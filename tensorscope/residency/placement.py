@@ -1,0 +1,82 @@
+"""A placement: one managed storage and which tier its bytes are on.
+
+Placements are keyed by the address of the storage's ``StorageImpl``: every tensor sharing the
+storage (views, autograd's saved copies, an optimizer's reference, the wrapper autograd makes
+when it unpacks a saved tensor) finds the same placement, whatever Python object it is.
+The placement holds one reference to the storage; when that is the only one left (the storage's
+use count is 1), nothing else can use the bytes and the manager forgets the placement.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+from collections.abc import Hashable
+
+import torch
+
+from tensorscope._torch import storage_use_count
+from tensorscope.residency.disk import DiskRegion
+from tensorscope.residency.tiers import TierName
+
+__all__ = ["Placement"]
+
+_uids = itertools.count(1)
+
+
+class Placement:
+    """Where one managed storage's bytes are."""
+
+    __slots__ = (
+        "group",
+        "host",
+        "key",
+        "last_use",
+        "nbytes",
+        "pending",
+        "pins",
+        "region",
+        "role",
+        "storage",
+        "tier",
+        "uid",
+        "written",
+    )
+
+    def __init__(self, storage: torch.UntypedStorage, role: Hashable | None, group: int) -> None:
+        self.uid = next(_uids)
+        self.storage = storage
+        self.key = int(storage._cdata)
+        self.nbytes = storage.nbytes()
+        self.tier: TierName = "device"
+        self.region: DiskRegion | None = None  # the disk copy (CPU device: the memory itself)
+        self.host: torch.UntypedStorage | None = None  # pinned copy (CUDA device only)
+        self.role: Hashable = self.uid if role is None else role  # identity across iterations
+        self.group = group  # uid of the parameter this belongs to (its grad, optimizer state)
+        self.last_use = -1
+        # A prefetch in flight: a thread's Event (CPU) or a CUDA event on the copy stream.
+        self.pending: threading.Event | torch.cuda.Event | None = None
+        self.written = False
+        self.pins = 0  # ops in flight (on any thread) that use it: it must stay on the device
+
+    def alive_elsewhere(self) -> bool:
+        """Whether anything but this placement still holds the storage."""
+        return storage_use_count(self.key) > 1
+
+    def wait(self) -> None:
+        """Block until a prefetch of this placement (if any) has landed.
+
+        For a CUDA copy this makes the current stream wait for the copy stream, without
+        blocking the host.
+        """
+        pending = self.pending
+        if pending is None:
+            return
+        if isinstance(pending, threading.Event):
+            pending.wait()
+        else:
+            torch.cuda.current_stream().wait_event(pending)
+        self.pending = None
+
+    def __repr__(self) -> str:
+        return f"<Placement #{self.uid} {self.nbytes} B on {self.tier}>"

@@ -1,0 +1,63 @@
+"""Making room under the budget: what the policy sees, and which placements to demote.
+
+Functions of the ledger, the policy and the recorder, given as arguments; the manager applies
+the demotions they choose. A placement pinned by an op in flight (on any thread) is never
+chosen: its bytes are being read or written right now.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from tensorscope.graph.record import Recorder
+from tensorscope.policies import Entry, Policy, Snapshot
+from tensorscope.residency.ledger import Ledger
+from tensorscope.residency.placement import Placement
+
+__all__ = ["snapshot", "victims"]
+
+
+def snapshot(
+    ledger: Ledger, recorder: Recorder, budget: int | None, clock: int, upcoming: bool = False
+) -> Snapshot:
+    """What a policy decides from: the device-resident placements (built lazily), and the
+    placements the previous iteration used next that are not resident (``upcoming``)."""
+    resident = list(ledger.resident.values())
+
+    def entries() -> tuple[Entry, ...]:
+        return tuple(
+            Entry(p.uid, p.nbytes, p.tier, p.last_use, recorder.next_use(p.role), p.pins > 0)
+            for p in resident
+        )
+
+    ahead: tuple[Entry, ...] = ()
+    if upcoming and recorder.predicting:
+        wanted = []
+        for role in recorder.upcoming(32):
+            p = ledger.by_role.get(role)
+            if p is not None and p.tier != "device":
+                wanted.append(
+                    Entry(p.uid, p.nbytes, p.tier, p.last_use, recorder.next_use(role), False)
+                )
+        ahead = tuple(wanted)
+    return Snapshot(budget, ledger.device_total, clock, None, ahead, make_entries=entries)
+
+
+def victims(
+    ledger: Ledger, policy: Policy, recorder: Recorder, budget: int, clock: int, shortfall: int
+) -> Iterator[Placement]:
+    """Device placements to demote, in order, until ``shortfall`` bytes are freed: the
+    policy's choice first, then (the budget is a hard limit) the least recently used of the
+    rest. The caller stops iterating once it has room."""
+    chosen: set[int] = set()
+    for key in policy.evict(snapshot(ledger, recorder, budget, clock), shortfall):
+        placement = ledger.by_uid.get(key)
+        if placement is None or placement.tier != "device" or placement.pins or key in chosen:
+            continue
+        chosen.add(key)
+        yield placement
+    idle = sorted(
+        (p for p in ledger.resident.values() if not p.pins and p.uid not in chosen),
+        key=lambda p: p.last_use,
+    )
+    yield from idle

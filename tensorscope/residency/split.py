@@ -1,0 +1,124 @@
+"""Splitting multi-tensor ops (``_foreach_*``, ``_fused_*``) into groups that fit the budget.
+
+``clip_grad_norm_``, ``AdamW(foreach=True)`` and ``AdamW(fused=True)`` hand one op every
+parameter at once; under a budget smaller than the parameters that op could never run. Each
+index of their tensor lists is independent of the others, so the manager runs the op on
+consecutive index ranges whose operands and results fit, and joins the results: the numbers
+are exactly those of one call.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+__all__ = ["index_count", "is_multi_tensor", "join_results", "plan_chunks", "slice_call"]
+
+_LIST_TYPES = ("List[Tensor]", "List[Optional[Tensor]]", "List[number]", "List[float]")
+_splittable: dict[Any, tuple[int, ...] | None] = {}
+
+
+def _list_positions(func: Any) -> tuple[int, ...] | None:
+    """Positions of the per-index list arguments of a multi-tensor op (None: not one)."""
+    if func in _splittable:
+        return _splittable[func]
+    schema = func._schema
+    positions: tuple[int, ...] | None = None
+    if schema.name.startswith(("aten::_foreach_", "aten::_fused_")):
+        found = tuple(
+            index
+            for index, argument in enumerate(schema.arguments)
+            if str(argument.type) in _LIST_TYPES
+            or (argument.name == "scalars" and str(argument.type) == "Tensor")
+        )
+        returns_ok = all(str(r.type) == "List[Tensor]" for r in schema.returns)
+        positions = found if found and returns_ok else None
+    _splittable[func] = positions
+    return positions
+
+
+def is_multi_tensor(func: Any) -> bool:
+    return _list_positions(func) is not None
+
+
+def _length(value: Any) -> int:
+    return int(value.shape[0]) if isinstance(value, torch.Tensor) else len(value)
+
+
+def _normalized(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[Any]:
+    names = [argument.name for argument in func._schema.arguments]
+    values = list(args)
+    for name in names[len(values) :]:
+        if name not in kwargs:
+            break
+        values.append(kwargs[name])
+    return values
+
+
+def index_count(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> int:
+    """The common length of a multi-tensor op's lists (0 if they disagree or it is not one)."""
+    positions = _list_positions(func)
+    if positions is None:
+        return 0
+    values = _normalized(func, args, kwargs)
+    lengths = {_length(values[p]) for p in positions if p < len(values)} - {0}
+    return lengths.pop() if len(lengths) == 1 else 0
+
+
+def plan_chunks(
+    func: Any,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    index_bytes: Callable[[int], int],
+    fixed_bytes: int,
+    budget: int,
+) -> list[range] | None:
+    """Consecutive index ranges whose bytes (``index_bytes(i)`` each plus ``fixed_bytes``) fit
+    ``budget``; None if the op is not a multi-tensor op or one index alone does not fit."""
+    count = index_count(func, args, kwargs)
+    if count == 0:
+        return None
+    chunks: list[range] = []
+    start, total = 0, fixed_bytes
+    for index in range(count):
+        nbytes = index_bytes(index)
+        if fixed_bytes + nbytes > budget:
+            return None
+        if total + nbytes > budget:
+            chunks.append(range(start, index))
+            start, total = index, fixed_bytes
+        total += nbytes
+    chunks.append(range(start, count))
+    return chunks
+
+
+def slice_call(
+    func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], chunk: range
+) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """The arguments of ``func`` restricted to the indices in ``chunk``."""
+    positions = _list_positions(func) or ()
+    values = _normalized(func, args, kwargs)
+    names = [argument.name for argument in func._schema.arguments]
+    sliced = list(values)
+    for position in positions:
+        if position < len(values) and _length(values[position]):
+            sliced[position] = values[position][chunk.start : chunk.stop]
+    new_args = tuple(sliced[: len(args)])
+    new_kwargs = dict(kwargs)
+    for position in range(len(args), len(sliced)):
+        new_kwargs[names[position]] = sliced[position]
+    return new_args, new_kwargs
+
+
+def join_results(parts: Sequence[Any]) -> Any:
+    """One op's result from its chunks' results (None, a list, or a tuple of lists)."""
+    first = parts[0] if parts else None
+    if first is None:
+        return first
+    if isinstance(first, list):
+        return [item for part in parts for item in part]
+    if isinstance(first, tuple):
+        return tuple(join_results([part[i] for part in parts]) for i in range(len(first)))
+    return first

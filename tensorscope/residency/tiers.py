@@ -1,0 +1,111 @@
+"""Where bytes live: tier names, the device and host tiers, and the C heap's free memory.
+
+A tier holds the bytes of managed storages and gives them back; the manager decides which tier
+a placement should be on, tiers only hold bytes. The disk tier is ``disk.py``.
+
+# NOTE [CUDA]
+# With a CUDA device, demoting copies device bytes to a pinned host buffer (host tier) or to a
+# disk region, then swaps the storage's data pointer with an empty storage so the caching
+# allocator gets the memory back; promoting allocates device memory, copies on a side stream and
+# swaps it in. Only the manager's interception guarantees that nothing reads a demoted CUDA
+# storage; it is the thin, standard path (``non_blocking`` copies, pinned buffers, events).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+from typing import Literal
+
+import torch
+
+from tensorscope._torch import new_storage, swap_data_ptr
+
+__all__ = [
+    "TIER_ORDER",
+    "DeviceTier",
+    "HostTier",
+    "TierName",
+    "empty_storage",
+    "free_heap_bytes",
+    "release_free_heap",
+    "swap_in",
+]
+
+TierName = Literal["device", "host", "disk"]
+TIER_ORDER: tuple[TierName, ...] = ("device", "host", "disk")
+
+_libc = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
+_malloc_trim = getattr(_libc, "malloc_trim", None)
+
+
+class _MallInfo2(ctypes.Structure):
+    _fields_ = [
+        (name, ctypes.c_size_t)
+        for name in (
+            "arena", "ordblks", "smblks", "hblks", "hblkhd",
+            "usmblks", "fsmblks", "uordblks", "fordblks", "keepcost",
+        )
+    ]  # fmt: skip
+
+
+_mallinfo2 = getattr(_libc, "mallinfo2", None)
+if _mallinfo2 is not None:
+    _mallinfo2.restype = _MallInfo2
+
+
+def free_heap_bytes() -> int:
+    """Bytes glibc's heap holds free (kept for reuse, still resident); 0 if unknown."""
+    if _mallinfo2 is None:
+        return 0
+    return int(_mallinfo2().fordblks)
+
+
+def release_free_heap() -> None:
+    """Give the C heap's free memory back to the OS (glibc's ``malloc_trim``; else no-op).
+
+    The first demotion of a CPU tensor frees its original heap memory, and each iteration's
+    activations leave free heap behind, all of which glibc keeps resident for reuse: without
+    trimming, RSS would not fall when a model's weights move to the disk tier.
+    """
+    if _malloc_trim is not None:
+        _malloc_trim(0)
+
+
+def empty_storage(device: torch.device) -> torch.UntypedStorage:
+    """A 0-byte storage on ``device`` to swap data pointers with."""
+    return new_storage(0, device)
+
+
+def swap_in(storage: torch.UntypedStorage, source: torch.UntypedStorage) -> None:
+    """Give ``storage`` the memory of ``source`` (and ``source`` whatever ``storage`` had).
+
+    Every tensor sharing ``storage`` sees the new memory; the old one now belongs to
+    ``source`` and is released when ``source`` is dropped.
+    """
+    swap_data_ptr(storage, source)
+
+
+class HostTier:
+    """Pinned host memory for a CUDA device (skipped when the device is the CPU)."""
+
+    name: TierName = "host"
+
+    def allocate(self, nbytes: int) -> torch.UntypedStorage:
+        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True).untyped_storage()
+
+
+class DeviceTier:
+    """The compute device: CUDA when present (or asked for), else the CPU."""
+
+    name: TierName = "device"
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+
+    @property
+    def is_cpu(self) -> bool:
+        return self.device.type == "cpu"
+
+    def allocate(self, nbytes: int) -> torch.UntypedStorage:
+        return new_storage(nbytes, self.device)

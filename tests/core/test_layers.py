@@ -1,0 +1,126 @@
+"""Imports point down: the layer order of the package, written once, and checked.
+
+Every ``tensorscope`` import a module makes at run time (at module level or inside a function;
+``if TYPE_CHECKING:`` blocks excluded) must name a module of a lower layer, or of its own
+package below it; and no import cycle may exist between modules. CONTRIBUTING (README) points
+here: to add a module, give it a layer in ``LAYERS``.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import tensorscope
+
+PACKAGE = Path(tensorscope.__file__).parent
+
+# Lowest first. A package ("residency") is one unit here; inside it only cycles are checked.
+LAYERS: list[tuple[str, ...]] = [
+    ("errors",),  # the exception hierarchy: imports nothing
+    ("_units", "policies", "graph"),  # pure Python: no torch plumbing
+    ("_torch", "_sites"),  # typed doors to torch internals; creation sites
+    ("_state", "_slot"),  # ref records and the owner contract; the residency slot
+    ("_thread",),  # per-thread state
+    ("_plain",),  # plain-tensor protocols of refs
+    ("ref",),  # TensorRef, disposal
+    ("_optimizer",),  # torch.optim step hooks
+    ("_intercept", "_leaks"),  # the dispatch mode; the leak report
+    ("scope",),  # DisposeScope, statistics
+    ("residency",),  # the residency manager package
+    ("manage",),  # ts.manage()
+    ("checkpoint", "memory"),  # rotor; RSS sampling
+    ("demo",),  # `tensorscope demo`
+    ("cli", "__init__"),  # the command line and the public face
+]
+RANK = {unit: rank for rank, units in enumerate(LAYERS) for unit in units}
+
+
+def _module_name(path: Path) -> str:
+    parts = path.relative_to(PACKAGE).with_suffix("").parts
+    return ".".join(parts)
+
+
+def _unit(module: str) -> str:
+    return module.split(".")[0]
+
+
+def _runtime_imports(path: Path) -> set[str]:
+    """``tensorscope`` names imported at run time (TYPE_CHECKING blocks skipped): a module, or
+    ``module:name`` for ``from module import name`` (a submodule or an attribute)."""
+    tree = ast.parse(path.read_text())
+    found: set[str] = set()
+
+    def visit(node: ast.AST) -> None:
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            for child in node.orelse:
+                visit(child)
+            return
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                if alias.name.startswith("tensorscope"):
+                    found.add(alias.name.removeprefix("tensorscope").lstrip("."))
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            if node.module == "tensorscope":
+                found.update(alias.name for alias in node.names)
+            elif node.module.startswith("tensorscope."):
+                base = node.module.removeprefix("tensorscope.")
+                found.update(f"{base}:{alias.name}" for alias in node.names)
+        for child in ast.iter_child_nodes(node):
+            visit(child)
+
+    visit(tree)
+    return {name for name in found if name}
+
+
+def _graph() -> dict[str, set[str]]:
+    modules = {_module_name(path): path for path in PACKAGE.rglob("*.py")}
+    graph: dict[str, set[str]] = {}
+    for name, path in modules.items():
+        targets = set()
+        for imported in _runtime_imports(path):
+            base, _, attribute = imported.partition(":")
+            submodule = f"{base}.{attribute}"
+            is_module = submodule in modules or f"{submodule}.__init__" in modules
+            targets.add(submodule if attribute and is_module else base)
+        graph[name.removesuffix(".__init__")] = targets
+    return graph
+
+
+def test_every_module_has_a_layer() -> None:
+    units = {_unit(name) for name in _graph()}
+    missing = sorted(unit for unit in units if unit not in RANK and unit)
+    assert not missing, f"give these a layer in LAYERS: {missing}"
+
+
+def test_imports_point_down() -> None:
+    wrong = []
+    for module, targets in _graph().items():
+        unit = _unit(module) if module else "__init__"
+        for target in targets:
+            target_unit = _unit(target)
+            if target_unit == unit:
+                continue  # inside one package: see the cycle test
+            if RANK[target_unit] >= RANK[unit]:
+                wrong.append(f"{module} -> {target}")
+    assert not wrong, "imports that do not point down:\n" + "\n".join(sorted(wrong))
+
+
+def test_no_import_cycles() -> None:
+    graph = _graph()
+    state: dict[str, int] = {}
+    cycles: list[str] = []
+
+    def walk(node: str, path: list[str]) -> None:
+        state[node] = 1
+        for target in sorted(graph.get(node, ())):
+            if state.get(target) == 1:
+                cycles.append(" -> ".join([*path[path.index(target) :], target]))
+            elif target in graph and state.get(target) is None:
+                walk(target, [*path, target])
+        state[node] = 2
+
+    for node in sorted(graph):
+        if state.get(node) is None:
+            walk(node, [node])
+    assert not cycles, "import cycles:\n" + "\n".join(cycles)
