@@ -129,15 +129,24 @@ def _is_input(out: object, args: tuple[Any, ...], kwargs: dict[str, Any] | None)
     return False
 
 
-def _cached_by_autocast(args: tuple[Any, ...]) -> bool:
-    """Whether autocast keeps this cast in its weight cache (torch's ``cached_cast`` rule)."""
+def _cached_by_autocast(args: tuple[Any, ...], kwargs: dict[str, Any] | None) -> bool:
+    """Whether autocast keeps this cast in its weight cache (torch's ``cached_cast`` rule: a
+    float32 leaf that requires grad, cast to the autocast dtype, with the cache on, inside an
+    autocast region). Inside autocast's own kernel its key is excluded, so the region is told
+    by autocast's (thread-local) nesting count, probed with an increment and a decrement."""
     source = args[0] if args else None
     if not isinstance(source, _Tensor) or not (source.is_leaf and source.requires_grad):
         return False
     if source.dtype is not torch.float32 or source._is_view():
         return False
-    device = source.device.type
-    return torch.is_autocast_enabled(device) and torch.is_autocast_cache_enabled()
+    dtype = kwargs.get("dtype") if kwargs else None
+    if dtype is None or dtype != torch.get_autocast_dtype(source.device.type):
+        return False
+    if not torch.is_autocast_cache_enabled():
+        return False
+    nesting = torch.autocast_increment_nesting()
+    torch.autocast_decrement_nesting()
+    return nesting > 1
 
 
 class Interceptor(TorchDispatchMode):  # type: ignore[no-untyped-call]
@@ -146,6 +155,12 @@ class Interceptor(TorchDispatchMode):  # type: ignore[no-untyped-call]
     @classmethod
     def _should_skip_dynamo(cls) -> bool:
         return False
+
+    @classmethod
+    def ignore_compile_internals(cls) -> bool:
+        # torch.compile then compiles user code with this mode on the stack (off while it
+        # compiles, on while the compiled code runs: its results are owned like any other).
+        return True
 
     def __init__(self, state: ThreadState) -> None:
         super().__init__()  # type: ignore[no-untyped-call]
@@ -176,7 +191,7 @@ class Interceptor(TorchDispatchMode):  # type: ignore[no-untyped-call]
                 if graph_task_id() != -1 and self._adopted_as_grad(out):
                     return out
             elif kind == CAST:
-                if _cached_by_autocast(args):
+                if _cached_by_autocast(args, kwargs):
                     return out
             elif kind == FRESH:
                 scope = self._scope()
@@ -250,13 +265,13 @@ def _install_global_hooks() -> None:
 
 def _skip_our_frames_in_dynamo() -> None:
     """Tell torch.compile never to trace tensorscope's per-op frames (they are not user code):
-    dynamo's C frame callback then skips them at no cost."""
+    dynamo's C frame callback then skips them at no cost (what ``torch._dynamo.skip_code``
+    does, without importing torch._dynamo)."""
     try:
-        skip_code: Any = torch._C._dynamo.eval_frame.skip_code  # type: ignore[attr-defined]
+        frames: Any = torch._C._dynamo.eval_frame
+        skip = frames._FrameExecStrategy(frames._FrameAction.SKIP, frames._FrameAction.DEFAULT)
     except AttributeError:  # pragma: no cover - an older or newer torch
         return
-    from tensorscope import _sites
-
     for function in (
         Interceptor.__torch_dispatch__,
         Interceptor._scope,
@@ -265,10 +280,11 @@ def _skip_our_frames_in_dynamo() -> None:
         _is_input,
         _cached_by_autocast,
         accumulate_grad_leaf,
-        _sites.capture_site,
+        capture_site,
         register_ref,
+        release_pending,
     ):
-        skip_code(function.__code__)
+        frames.set_code_exec_strategy(function.__code__, skip)
 
 
 @functools.wraps(ORIGINAL_FROMBUFFER)

@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from tensorscope._sites import mark_state_maker
 from tensorscope._torch import no_dispatch, no_subclass_function, plain_alias
 
 __all__ = ["PlainTensorProtocols"]
@@ -66,7 +67,7 @@ class PlainTensorProtocols:
                 "deepcopy protocol at the moment (same rule as torch.Tensor)."
             )
         with torch.no_grad():
-            new = tensor.clone()  # a ref of the current scope inside one, else plain
+            new = tensor.clone()  # plain: this function is a state maker
         if tensor.requires_grad:
             new.requires_grad_(True)
         if tensor.grad is not None:
@@ -85,3 +86,7 @@ class PlainTensorProtocols:
         self._check_live()
         with no_dispatch(), no_subclass_function():
             return torch.Tensor.__dlpack__(plain_alias(self), *args, **kwargs)  # type: ignore[arg-type]
+
+
+# deepcopy makes a copy to keep: never owned by a scope, as for a plain tensor.
+mark_state_maker(PlainTensorProtocols.__deepcopy__)

@@ -9,11 +9,12 @@ frame costs one dict lookup.
 # NOTE [state makers]
 # Some torch code creates tensors that torch or a module keeps as its own long-lived state:
 # ``Module._apply`` (``model.to(dtype)``, ``.half()``: new buffers assigned behind the buffer
-# registration hook), ``Tensor.__deepcopy__`` (the copy must keep the original's plain type),
-# a GradScaler's lazily created scale, ``Optimizer.load_state_dict`` (optimizer state), tensors a
-# DataLoader receives from its workers (parked in its reorder buffer across steps), and what
-# torch.compile's machinery makes while compiling. A scope must never own those: if the walk
-# meets one of these frames before the first user frame, the result is not owned.
+# registration hook), ``Tensor.__deepcopy__`` (a copy made to be kept; torch requires it to keep
+# the original's plain type), ``state_dict()`` of modules and optimizers (aliases of their
+# state), a GradScaler's lazily created scale, ``Optimizer.load_state_dict`` (optimizer state),
+# tensors a DataLoader receives from its workers (parked in its reorder buffer across steps),
+# and what torch.compile's machinery makes while compiling. A scope must never own those: if the
+# walk meets one of these frames before the first user frame, the result is not owned.
 """
 
 from __future__ import annotations
@@ -25,7 +26,16 @@ from typing import Any, Final, TypeAlias
 
 import torch
 
-__all__ = ["NOT_OWNED", "Site", "capture_site", "format_site", "site_file_line", "user_site"]
+__all__ = [
+    "NOT_OWNED",
+    "NotOwned",
+    "Site",
+    "capture_site",
+    "format_site",
+    "mark_state_maker",
+    "site_file_line",
+    "user_site",
+]
 
 # (code object of the user frame, its f_lasti), or None when no user frame was found.
 Site: TypeAlias = "tuple[CodeType, int] | None"
@@ -62,9 +72,11 @@ def _state_maker_codes() -> set[CodeType]:
 
     functions: list[Any] = [
         torch.nn.Module._apply,
+        torch.nn.Module.state_dict,
         torch.Tensor.__deepcopy__,
         GradScaler._lazy_init_scale_growth_tracker,
         torch.optim.Optimizer.load_state_dict,
+        torch.optim.Optimizer.state_dict,
     ]
     codes = set()
     for function in functions:
@@ -75,6 +87,11 @@ def _state_maker_codes() -> set[CodeType]:
 
 
 _verdicts: dict[CodeType, int] = dict.fromkeys(_state_maker_codes(), _STATE_MAKER)
+
+
+def mark_state_maker(function: Any) -> None:
+    """Add a function of tensorscope's own to the state makers (see the NOTE above)."""
+    _verdicts[function.__code__] = _STATE_MAKER
 
 
 def _classify(code: CodeType) -> int:
