@@ -60,6 +60,7 @@ __all__ = [
     "accumulate_grad_leaf",
     "acquire",
     "release",
+    "settle",
 ]
 
 _Tensor = torch.Tensor
@@ -181,7 +182,9 @@ class Interceptor(TorchDispatchMode):  # type: ignore[no-untyped-call]
         if kind is None:
             kind = _classify(func)
         if ACTIVE:
-            out = ACTIVE[0].run_op(func, kind, args, kwargs, self._scope() is not None)
+            # Results of ops on managed tensors are managed inside scopes and optimizer steps.
+            due = state.unowned_depth > 0 or self._scope() is not None
+            out = ACTIVE[0].run_op(func, kind, args, kwargs, due)
         else:
             out = func._op(*args, **kwargs) if kwargs else func._op(*args)
         if kind:
@@ -326,6 +329,12 @@ def release(state: ThreadState, *, residency: bool = False) -> None:
         state.residency_users = max(0, state.residency_users - 1)
     else:
         state.scope_users = max(0, state.scope_users - 1)
+    settle(state)
+
+
+def settle(state: ThreadState) -> None:
+    """On ``state``'s own thread: release what other threads left to it, put back a mode an
+    optimizer step left popped, and pop the mode if nothing needs it any more."""
     if not state.on_this_thread:
         return
     if state.pending:

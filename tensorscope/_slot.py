@@ -48,7 +48,7 @@ class ResidencyHooks(Protocol):
         kind: int,
         args: tuple[Any, ...],
         kwargs: dict[str, Any] | None,
-        scope_open: bool,
+        results_due: bool,
     ) -> Any:
         """Run ``func`` with its managed operands resident; manage its results when due."""
         ...

@@ -161,6 +161,8 @@ class DisposeScope(Owner):
     ) -> None:
         if not self._closed:
             self._close(sys._getframe(1))
+        elif self._thread is not None:  # closed from another thread: clean up on this one
+            _intercept.settle(self._thread)
         # Returning None: an exception raised in the block propagates unchanged.
 
     def close(self) -> None:

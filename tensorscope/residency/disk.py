@@ -233,8 +233,10 @@ class DiskRegion:
         madvise(self.address, self.length, _MADV_DONTNEED)
 
     def discard(self) -> None:
-        """Drop the region's pages and free its disk blocks (its bytes are not needed)."""
-        if madvise(self.address, self.length, _MADV_REMOVE) != 0:
+        """Drop the region's pages and free its disk blocks (its bytes are not needed). Only
+        the part inside the arena's data area: the canary after it must stay."""
+        inside = min(self.length, self.arena.high - self.offset)
+        if inside > 0 and madvise(self.address, inside, _MADV_REMOVE) != 0:
             self.drop()
 
     def flush(self) -> None:

@@ -372,10 +372,10 @@ class ResidencyManager:
         kind: int,
         args: tuple[Any, ...],
         kwargs: dict[str, Any] | None,
-        scope_open: bool,
+        results_due: bool,
     ) -> Any:
         """Run ``func`` with its managed operands resident (see oppath.py)."""
-        return self.ops.run(func, kind, args, kwargs, scope_open)
+        return self.ops.run(func, kind, args, kwargs, results_due)
 
     def iteration_boundary(self) -> None:
         """End of an iteration (an optimizer step): the trace so far predicts the next one."""

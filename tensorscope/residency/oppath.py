@@ -131,7 +131,7 @@ class OpPath:
         kind: int,
         args: tuple[Any, ...],
         kwargs: dict[str, Any] | None,
-        scope_open: bool,
+        results_due: bool,
     ) -> Any:
         operands = self.operands(args, kwargs)
         if not operands:
@@ -146,14 +146,14 @@ class OpPath:
                 manage_results = leaf_placement is not None
                 group = leaf_placement.uid if leaf_placement is not None else 0
             else:
-                manage_results = scope_open
+                manage_results = results_due
         estimate = self.estimate_results(func, args, kwargs or {}) if manage_results else 0
         budget = manager.budget_bytes
         if budget is not None and sum(p.nbytes for p in operands) + estimate > budget:
             calls = self._split(func, args, kwargs or {}, budget, manage_results)
             if calls is not None:
                 return split.join_results(
-                    [self.run(func, kind, a, k, scope_open) for a, k in calls]
+                    [self.run(func, kind, a, k, results_due) for a, k in calls]
                 )
         self._before(func, operands, estimate)
         try:

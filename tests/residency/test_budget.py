@@ -137,13 +137,20 @@ def test_grads_and_optimizer_state_of_managed_parameters_are_managed() -> None:
     model = _mlp()
     ts.residency.configure(policy="genoa", budget="1MiB")
     handle = ts.manage(model)
-    _train(model, 2, scoped=True)
-    opt_state_tiers = {ts.residency.tier_of(p) for p in model.parameters()}
+    opt = torch.optim.Adam(model.parameters())
+    for _ in range(2):
+        with ts.scope():
+            model(torch.randn(16, 128)).square().mean().backward()
+            opt.step()
+    param_tiers = {ts.residency.tier_of(p) for p in model.parameters()}
     grads = [p.grad for p in model.parameters() if p.grad is not None]
     assert grads and all(ts.residency.placement_of(g) is not None for g in grads)
-    assert opt_state_tiers == {"disk"}  # Genoa leaves nothing on the device
+    state = [v for p in model.parameters() for k, v in opt.state[p].items() if k != "step"]
+    assert len(state) == 2 * len(grads)
+    assert all(ts.residency.placement_of(v) is not None for v in state)
+    assert param_tiers == {ts.residency.tier_of(v) for v in state} == {"disk"}  # Genoa
     handle.remove()
-    assert all(ts.residency.placement_of(g) is None for g in grads)
+    assert all(ts.residency.placement_of(g) is None for g in grads + state)
 
 
 def test_activations_in_a_scope_are_managed_and_demoted_under_pressure() -> None:
