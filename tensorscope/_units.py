@@ -75,9 +75,16 @@ def parse_bytes(value: object, *, what: str = "size", subsystem: str = "tensorsc
         raise InvalidArgumentError(
             f"{subsystem}: cannot parse {what} {value!r}; use {ACCEPTED_SIZE_FORMS}."
         )
-    number = float(match.group(1)) * (10.0 ** int(match.group(2) or 0))
-    nbytes = number * _UNITS[unit]
-    if not math.isfinite(nbytes) or int(nbytes) <= 0:
+    try:
+        number = float(match.group(1)) * (10.0 ** int(match.group(2) or 0))
+        nbytes = number * _UNITS[unit]
+    except OverflowError:
+        nbytes = math.inf
+    if not math.isfinite(nbytes):
+        raise InvalidArgumentError(
+            f"{subsystem}: {what} {value!r} is too large to be a size; use {ACCEPTED_SIZE_FORMS}."
+        )
+    if int(nbytes) <= 0:
         raise InvalidArgumentError(
             f"{subsystem}: {what} must be at least one byte; got {value!r}. "
             f"Use {ACCEPTED_SIZE_FORMS}."

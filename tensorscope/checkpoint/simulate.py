@@ -10,7 +10,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from tensorscope.checkpoint.chain import Chain, Op
-from tensorscope.errors import InvalidArgumentError
+from tensorscope.errors import ArgumentTypeError, InvalidArgumentError
 
 __all__ = ["Simulation", "Simulator", "simulate"]
 
@@ -215,6 +215,7 @@ def simulate(chain: Chain, ops: Iterable[Op]) -> Simulation:
     Raises:
         InvalidArgumentError: an op reads a value that is not alive, computes one twice, or the
             schedule ends before the gradient w.r.t. the chain input is computed.
+        ArgumentTypeError: ``chain`` is not a ``Chain`` or ``ops`` is not an iterable.
 
     Example:
         >>> chain = Chain([1, 1], [1, 1], [4, 4, 4], [0, 8, 8], [0, 0], [0, 0])
@@ -222,6 +223,15 @@ def simulate(chain: Chain, ops: Iterable[Op]) -> Simulation:
         >>> (sim.time, sim.peak)
         (5.0, 24)
     """
+    if not isinstance(chain, Chain):
+        raise ArgumentTypeError(
+            f"tensorscope.checkpoint: simulate() takes a Chain; got {type(chain).__name__}."
+        )
+    if isinstance(ops, (str, bytes)) or not isinstance(ops, Iterable):
+        raise ArgumentTypeError(
+            "tensorscope.checkpoint: simulate() takes the schedule's ops as an iterable of "
+            f"tuples such as ('Fe', 0); got {type(ops).__name__}."
+        )
     sim = Simulator(chain)
     peaks = [sim.step(op) for op in ops]
     if not sim.complete:

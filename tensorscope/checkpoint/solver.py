@@ -11,7 +11,7 @@ from operator import add
 from tensorscope._units import format_bytes, parse_bytes
 from tensorscope.checkpoint.chain import Chain, Op, Schedule
 from tensorscope.checkpoint.simulate import simulate
-from tensorscope.errors import InvalidArgumentError, ScheduleError
+from tensorscope.errors import ArgumentTypeError, InvalidArgumentError, ScheduleError
 
 __all__ = ["MAX_TABLE_WORK", "min_memory", "solve", "store_all_memory", "store_all_ops"]
 
@@ -354,6 +354,7 @@ def solve(chain: Chain, mem_limit: int | str, *, slots: int | None = None) -> Sc
         ScheduleError: no schedule fits; the message gives the smallest limit that would.
         InvalidArgumentError: an exact table would be too large (pass ``slots``), or ``slots``
             is not a positive int.
+        ArgumentTypeError: ``chain`` is not a ``Chain``.
 
     Example:
         >>> chain = Chain([1, 1], [1, 1], [4, 4, 4], [0, 8, 8], [0, 0], [0, 0])
@@ -362,6 +363,10 @@ def solve(chain: Chain, mem_limit: int | str, *, slots: int | None = None) -> Sc
         >>> solve(chain, 24).ops
         (('Fck', 0), ('Fe', 1), ('Loss',), ('B', 1), ('Fe', 0), ('B', 0))
     """
+    if not isinstance(chain, Chain):
+        raise ArgumentTypeError(
+            f"tensorscope.checkpoint: solve() takes a Chain; got {type(chain).__name__}."
+        )
     limit = parse_bytes(mem_limit, what="mem_limit", subsystem="tensorscope.checkpoint")
     if slots is not None and (isinstance(slots, bool) or not isinstance(slots, int) or slots < 1):
         raise InvalidArgumentError(

@@ -10,6 +10,7 @@ never pushes out something needed sooner.
 
 from __future__ import annotations
 
+from tensorscope.errors import ArgumentTypeError, InvalidArgumentError
 from tensorscope.policies.base import Action, Entry, OpView, Snapshot, take_until
 
 __all__ = ["Flow"]
@@ -42,6 +43,16 @@ class Flow:
     wants_snapshot_after_op = True
 
     def __init__(self, prefetch_limit: int = 4) -> None:
+        if isinstance(prefetch_limit, bool) or not isinstance(prefetch_limit, int):
+            raise ArgumentTypeError(
+                "tensorscope.residency: Flow(prefetch_limit=...) takes an int (placements "
+                f"prefetched after one op, 0 for none); got {type(prefetch_limit).__name__}."
+            )
+        if prefetch_limit < 0:
+            raise InvalidArgumentError(
+                f"tensorscope.residency: Flow(prefetch_limit={prefetch_limit}) must be 0 or "
+                "more (0 turns prefetching off)."
+            )
         self.prefetch_limit = prefetch_limit
 
     def _ranked_victims(self, entries: tuple[Entry, ...]) -> list[Entry]:
