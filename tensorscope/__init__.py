@@ -4,6 +4,7 @@ Public names only (see API.md); no logic here.
 """
 
 from tensorscope import checkpoint
+from tensorscope.empty_init import empty_init
 from tensorscope.errors import (
     ArgumentTypeError,
     DisposedTensorError,
@@ -63,6 +64,7 @@ __all__ = [
     "dispose",
     "dispose_everything",
     "dispose_everything_but",
+    "empty_init",
     "manage",
     "ref",
     "reset_stats",

@@ -30,6 +30,7 @@ __all__ = [
     "storage_address",
     "storage_use_count",
     "swap_data_ptr",
+    "tensor_over",
 ]
 
 _C: Any = torch._C
@@ -75,6 +76,21 @@ def swap_data_ptr(storage: torch.UntypedStorage, other: torch.UntypedStorage) ->
 def set_versions(tensors: Sequence[torch.Tensor], versions: Sequence[int]) -> None:
     """Set autograd version counters (shared by a tensor and its views and saved copies)."""
     _set_version_counter(tensors, versions)
+
+
+def tensor_over(
+    storage: torch.UntypedStorage, dtype: torch.dtype, shape: Sequence[int]
+) -> torch.Tensor:
+    """A contiguous tensor of ``dtype`` and ``shape`` whose memory is ``storage``."""
+    stride = []
+    step = 1
+    for size in reversed(shape):
+        stride.append(step)
+        step *= size
+    with no_dispatch(), no_subclass_function():
+        return torch.empty(0, dtype=dtype, device=storage.device).set_(
+            storage, 0, tuple(shape), tuple(reversed(stride))
+        )
 
 
 def plain_alias(tensor: torch.Tensor) -> torch.Tensor:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import copy
 import itertools
+import os
 import warnings
 from types import TracebackType
 from typing import Any
@@ -22,8 +23,10 @@ from typing_extensions import Self
 
 from tensorscope._torch import plain_repr
 from tensorscope.errors import ArgumentTypeError, ResidencyError, ResidencyWarning
+from tensorscope.loading import Loaded, load_checkpoint
 from tensorscope.ref import ResidencyMethods
 from tensorscope.residency import ResidencyManager, residency
+from tensorscope.residency.placement import Placement
 
 __all__ = ["ManagedBuffer", "ManagedModule", "ManagedParameter", "manage"]
 
@@ -77,7 +80,9 @@ class ManagedModule:
     def _add(self, tensor: torch.Tensor, name: str) -> None:
         # Roles name a tensor across iterations (Flow's predictions); the handle's id keeps two
         # models with the same parameter names apart.
-        placement = self._manager.manage_tensor(tensor, (self._id, name))
+        self._adopt(tensor, self._manager.manage_tensor(tensor, (self._id, name)))
+
+    def _adopt(self, tensor: torch.Tensor, placement: Placement) -> None:
         self._groups.add(placement.uid)
         original = type(tensor)
         if original is nn.Parameter:
@@ -134,7 +139,13 @@ def _check_module(module: object, manager: object) -> tuple[nn.Module, Residency
     return module, manager
 
 
-def manage(module: nn.Module, *, manager: ResidencyManager | None = None) -> ManagedModule:
+def manage(
+    module: nn.Module,
+    *,
+    manager: ResidencyManager | None = None,
+    checkpoint: str | os.PathLike[str] | None = None,
+    strict: bool = True,
+) -> ManagedModule:
     """Put ``module``'s parameters and buffers under the residency manager, in place.
 
     They start on the device tier; what does not fit the budget is demoted at once. Under a
@@ -143,10 +154,20 @@ def manage(module: nn.Module, *, manager: ResidencyManager | None = None) -> Man
     the manager on the thread that called ``manage`` and on every thread with a scope open.
     Buffers that are not dense (sparse) stay in ordinary memory, with a ``ResidencyWarning``.
 
+    With ``checkpoint`` (one ``.safetensors`` file, or a directory with ``model.safetensors`` or
+    ``model.safetensors.index.json``), the module's meta tensors (built under
+    ``ts.empty_init()``) take their values from it: headers only are read, and a stored tensor of
+    the parameter's dtype is placed on the disk tier *in the checkpoint file itself* (never
+    written: a tensor that is written first gets its own offload file); another dtype is
+    converted once into an offload file. Create optimizers after this call: the meta parameters
+    are replaced by new ones.
+
     Raises:
         ArgumentTypeError: ``module`` is not an ``nn.Module``, or ``manager`` is not a manager.
-        ResidencyError: a tensor is on another device than the device tier, on ``meta``, or
-            already managed by another ``ts.manage()`` handle (remove that one first).
+        ResidencyError: a tensor is on another device than the device tier, on ``meta`` without
+            a checkpoint, or already managed by another ``ts.manage()`` handle (remove that one
+            first); with ``checkpoint``: meta tensors it has no value for, keys that match
+            nothing (unless ``strict=False``), other shapes, a truncated or corrupt file.
 
     Example:
         >>> import torch, tensorscope as ts
@@ -161,20 +182,38 @@ def manage(module: nn.Module, *, manager: ResidencyManager | None = None) -> Man
         'Parameter'
     """
     module, manager = _check_module(module, manager)
-    tensors = [*module.named_parameters(), *module.named_buffers()]
+    handle = ManagedModule(module, manager)
+    loaded = []
+    if checkpoint is not None:
+        loaded = load_checkpoint(module, checkpoint, strict, manager, handle._id)
+    placed = {id(item.tensor) for item in loaded}
+    tensors = [
+        (name, tensor)
+        for name, tensor in (*module.named_parameters(), *module.named_buffers())
+        if id(tensor) not in placed
+    ]
     dense = []
     sparse = []
     for name, tensor in tensors:
         if tensor.layout is not torch.strided:
             sparse.append(name)
             continue
+        if tensor.device.type == "meta":
+            _release_loaded(manager, loaded)
+            raise ResidencyError(
+                f"tensorscope.residency: {name} is on the meta device (built under "
+                "ts.empty_init()?) and has no value; pass checkpoint=... to give it its stored "
+                "value, or build the module with real parameters."
+            )
         if tensor.device.type != manager.device.type:
+            _release_loaded(manager, loaded)
             raise ResidencyError(
                 f"tensorscope.residency: {name} is on {tensor.device} but the device tier is "
                 f"{manager.device}; call module.to({str(manager.device)!r}) first or configure "
                 "ts.residency's device."
             )
         if isinstance(tensor, (ManagedParameter, ManagedBuffer)):
+            _release_loaded(manager, loaded)
             raise ResidencyError(
                 f"tensorscope.residency: {name} is already managed by another ts.manage() "
                 "handle; call that handle's remove() first (a module is managed once)."
@@ -188,9 +227,10 @@ def manage(module: nn.Module, *, manager: ResidencyManager | None = None) -> Man
             ResidencyWarning,
             stacklevel=2,
         )
-    handle = ManagedModule(module, manager)
     manager.add_handle(handle)
     try:
+        for item in loaded:
+            handle._adopt(item.tensor, item.placement)
         for name, tensor in dense:
             handle._add(tensor, name)
         manager.settle(handle._groups)
@@ -198,3 +238,8 @@ def manage(module: nn.Module, *, manager: ResidencyManager | None = None) -> Man
         handle.remove()
         raise
     return handle
+
+
+def _release_loaded(manager: ResidencyManager, loaded: list[Loaded]) -> None:
+    """A check failed after tensors were placed from the checkpoint: stop managing them."""
+    manager.unmanage({item.placement.uid for item in loaded})

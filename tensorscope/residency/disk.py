@@ -32,7 +32,6 @@
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import errno
 import mmap
 import os
@@ -42,72 +41,30 @@ import weakref
 from bisect import bisect_left
 from collections.abc import Callable
 
-import torch
-
-from tensorscope._torch import ORIGINAL_FROMBUFFER, new_storage
 from tensorscope._units import format_bytes
 from tensorscope.errors import ResidencyError
+from tensorscope.residency.checkpoint_files import CheckpointFile
+from tensorscope.residency.mapping import PAGE, DiskRegion, MappedFile
 
-__all__ = ["Arena", "DiskRegion", "DiskTier", "madvise"]
+__all__ = ["Arena", "DiskTier", "remove_private_dirs"]
 
-PAGE = mmap.PAGESIZE
 LARGE = 2 << 20  # regions this large start at 2 MiB offsets (large folios, 2 MiB mappings)
 ARENA_SPAN = 8 << 30  # virtual bytes mapped per arena (the file grows inside it)
-_WRITE_CHUNK = 64 << 20  # bytes per pwrite call
 _POOL_MIN_BYTES = 64 << 20  # pooled regions may always hold this much (see DiskTier.release)
 _CANARY_BYTES = 16
-_MADV_DONTNEED = 4
-_MADV_REMOVE = 9
-_MADV_POPULATE_READ = 22
-_MADV_POPULATE_WRITE = 23
-
-_libc = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
-_libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-_libc.madvise.restype = ctypes.c_int
-_libc.mmap.argtypes = [
-    ctypes.c_void_p,
-    ctypes.c_size_t,
-    ctypes.c_int,
-    ctypes.c_int,
-    ctypes.c_int,
-    ctypes.c_long,
-]
-_libc.mmap.restype = ctypes.c_void_p
-_libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
-_libc.munmap.restype = ctypes.c_int
-_MAP_FAILED = ctypes.c_void_p(-1).value
 
 
 def _round_up(value: int, granule: int) -> int:
     return (value + granule - 1) // granule * granule
 
 
-def madvise(address: int, length: int, advice: int) -> int:
-    """``madvise(2)``; returns 0 or the errno. ctypes releases the GIL for the call, so a
-    prefetch thread overlaps with compute."""
-    if length == 0:
-        return 0
-    if _libc.madvise(address, length, advice) == 0:
-        return 0
-    return ctypes.get_errno()
-
-
-class Arena:
+class Arena(MappedFile):
     """One offload file, mapped whole, from which regions are carved (see the NOTE above)."""
 
     def __init__(self, fd: int, span: int) -> None:
-        self.fd = fd
-        self.span = span
-        address = _libc.mmap(None, span, mmap.PROT_READ | mmap.PROT_WRITE, mmap.MAP_SHARED, fd, 0)
-        if address is None or address == _MAP_FAILED:
-            code = ctypes.get_errno()
-            raise OSError(code, os.strerror(code))
-        self.address: int = address
-        # The bytes of the whole span as a buffer: storages are made from slices of it.
-        self._buffer = memoryview((ctypes.c_char * span).from_address(address)).cast("B")
+        super().__init__(fd, span, mmap.MAP_SHARED)
         self._free: list[tuple[int, int]] = [(0, span - PAGE)]  # (offset, length), sorted
         self.high = 0  # end of the data area in the file
-        self.live = 0  # regions handed out and not given back
         self._canary = os.urandom(_CANARY_BYTES)
         self._grow(0)
 
@@ -167,82 +124,22 @@ class Arena:
         except OSError:
             return False
 
-    def storage(self, offset: int, nbytes: int) -> torch.UntypedStorage:
-        """A storage whose memory is ``nbytes`` of the mapping at ``offset``."""
-        if nbytes == 0:  # frombuffer refuses empty buffers; there are no bytes to map
-            return new_storage(0)
-        view = self._buffer[offset : offset + nbytes]
-        return ORIGINAL_FROMBUFFER(view, dtype=torch.uint8).untyped_storage()
+    def region(self, offset: int, length: int, nbytes: int) -> DiskRegion:
+        return DiskRegion(self, offset, length, nbytes)
 
-    def close(self) -> None:
-        """Unmap and close, unless a region is still in use (then the mapping stays)."""
-        if self.live == 0 and self.fd >= 0:
-            self._buffer.release()
-            _libc.munmap(self.address, self.span)
-            os.close(self.fd)
-            self.fd = -1
+    def write(self, region: DiskRegion, address: int) -> None:
+        """Copy ``region.nbytes`` from ``address`` into the region, through the file."""
+        self.ensure_file_covers(region.offset + region.length)
+        region.write(address, self.fd)
 
-
-class DiskRegion:
-    """One storage's bytes in an arena."""
-
-    __slots__ = ("__weakref__", "address", "arena", "length", "nbytes", "offset")
-
-    def __init__(self, arena: Arena, offset: int, length: int, nbytes: int) -> None:
-        self.arena = arena
-        self.offset = offset
-        self.length = length
-        self.nbytes = nbytes
-        self.address = arena.address + offset
-
-    def storage(self) -> torch.UntypedStorage:
-        """A storage whose memory is this region."""
-        return self.arena.storage(self.offset, self.nbytes)
-
-    def write(self, address: int) -> None:
-        """Write the ``nbytes`` at ``address`` into the file (``pwrite``, not the mapping)."""
-        self.arena.ensure_file_covers(self.offset + self.length)
-        if self.nbytes == 0:
-            return
-        source = memoryview((ctypes.c_char * self.nbytes).from_address(address)).cast("B")
-        done = 0
-        fd = self.arena.fd
-        while done < self.nbytes:  # pwrite may write less than asked (a signal, a file limit)
-            written = os.pwrite(fd, source[done : done + _WRITE_CHUNK], self.offset + done)
-            if written == 0:
-                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
-            done += written
-
-    def reserve(self) -> None:
+    def reserve(self, region: DiskRegion) -> None:
         """Reserve the region's blocks on disk (``posix_fallocate``)."""
-        self.arena.ensure_file_covers(self.offset + self.length)
-        os.posix_fallocate(self.arena.fd, self.offset, self.length)
+        self.ensure_file_covers(region.offset + region.length)
+        os.posix_fallocate(self.fd, region.offset, region.length)
 
-    def intact(self) -> bool:
-        """Whether the backing file is untouched (not truncated behind the manager's back)."""
-        return self.arena.intact()
-
-    def populate(self, write: bool) -> bool:
-        """Map the region's pages into the process (read ahead from the page cache or disk).
-        False if the kernel refused (a file truncated behind our back)."""
-        advice = _MADV_POPULATE_WRITE if write else _MADV_POPULATE_READ
-        return madvise(self.address, self.length, advice) == 0
-
-    def drop(self) -> None:
-        """Unmap the region's pages: RSS falls, the bytes stay in the page cache and the file."""
-        madvise(self.address, self.length, _MADV_DONTNEED)
-
-    def discard(self) -> None:
-        """Drop the region's pages and free its disk blocks (its bytes are not needed). Only
-        the part inside the arena's data area: the canary after it must stay."""
-        inside = min(self.length, self.arena.high - self.offset)
-        if inside > 0 and madvise(self.address, inside, _MADV_REMOVE) != 0:
-            self.drop()
-
-    def flush(self) -> None:
-        """Write the arena's dirty pages to the file now (``fdatasync``; not the hot path)."""
-        if self.arena.fd >= 0:
-            os.fdatasync(self.arena.fd)
+    def discard(self, region: DiskRegion) -> None:
+        """Free the region's blocks, only inside the data area: the canary after it stays."""
+        region.discard(min(region.length, self.high - region.offset))
 
 
 class DiskTier:
@@ -275,6 +172,7 @@ class DiskTier:
                 ) from exc
         self._finalizer = weakref.finalize(self, _remove_private_dir, self.directory, self.private)
         self.arenas: list[Arena] = []
+        self.checkpoints: dict[str, MappedFile] = {}  # path -> mapped checkpoint file
         # Regions whose storage died, kept for the next storage of the same size (see release).
         self._pool: dict[int, list[DiskRegion]] = {}
         self.pooled_bytes = 0
@@ -285,7 +183,7 @@ class DiskTier:
         """Create an arena and write one page: fails now rather than on the first demotion."""
         region = self._region(PAGE)
         try:
-            region.write(ctypes.addressof(ctypes.create_string_buffer(PAGE)))
+            self._arena(region).write(region, ctypes.addressof(ctypes.create_string_buffer(PAGE)))
         except OSError as exc:
             raise self._write_error(exc, PAGE) from exc
         finally:
@@ -300,7 +198,7 @@ class DiskTier:
             return region
         region = self._region(nbytes)
         try:
-            region.reserve()
+            self._arena(region).reserve(region)
         except OSError as exc:
             self.release(region, reusable=False)
             raise self._write_error(exc, region.length) from exc
@@ -311,7 +209,7 @@ class DiskTier:
         (large folios; see the NOTE on arenas). A full disk fails the write: nothing has moved."""
         region = self._take_pooled(nbytes) or self._region(nbytes)
         try:
-            region.write(address)
+            self._arena(region).write(region, address)
         except OSError as exc:
             self.release(region, reusable=False)
             raise self._write_error(exc, region.length) from exc
@@ -329,7 +227,14 @@ class DiskTier:
                 raise ResidencyError("tensorscope.residency: internal error: arena too small")
         offset, length = carved
         self.live_bytes += length
-        return DiskRegion(arena, offset, length, nbytes)
+        return arena.region(offset, length, nbytes)
+
+    @staticmethod
+    def _arena(region: DiskRegion) -> Arena:
+        arena = region.file
+        if not isinstance(arena, Arena):  # pragma: no cover - checkpoint regions are not written
+            raise ResidencyError("tensorscope.residency: internal error: a checkpoint is read-only")
+        return arena
 
     def release(self, region: DiskRegion, reusable: bool) -> None:
         """A region no storage uses any more: pooled for the next storage of its size when
@@ -341,6 +246,10 @@ class DiskTier:
         cached pages. The pool holds at most as many bytes as the live regions (64 MiB at
         least), so it never more than doubles the files' size.
         """
+        if not isinstance(region.file, Arena):  # a checkpoint's region: nothing to free on disk
+            region.drop()
+            region.file.live -= 1
+            return
         self.live_bytes -= region.length
         limit = max(_POOL_MIN_BYTES, self.live_bytes)
         if reusable and region.intact() and self.pooled_bytes + region.length <= limit:
@@ -348,8 +257,8 @@ class DiskTier:
             self._pool.setdefault(region.nbytes, []).append(region)
             self.pooled_bytes += region.length
         else:
-            region.discard()
-            region.arena.give_back(region.offset, region.length)
+            region.file.discard(region)
+            region.file.give_back(region.offset, region.length)
 
     def _take_pooled(self, nbytes: int) -> DiskRegion | None:
         regions = self._pool.get(nbytes)
@@ -410,19 +319,32 @@ class DiskTier:
     @property
     def descriptors(self) -> int:
         """Open file descriptors this tier holds."""
-        return sum(1 for arena in self.arenas if arena.fd >= 0)
+        files = [*self.arenas, *self.checkpoints.values()]
+        return sum(1 for file in files if file.fd >= 0)
+
+    def checkpoint_region(self, path: str, offset: int, nbytes: int) -> DiskRegion:
+        """A region of a checkpoint file, mapped once per file (its bytes are the tensor's;
+        never written)."""
+        file = self.checkpoints.get(path)
+        if file is None or file.fd < 0:
+            file = self.checkpoints[path] = CheckpointFile(path)
+        file.live += 1
+        return DiskRegion(file, offset, nbytes, nbytes)
 
     def close(self) -> None:
         """Give pooled regions back, close arenas nothing uses, remove the private directory
         (files have no names, so nothing else is left)."""
         for regions in self._pool.values():
             for region in regions:
-                region.arena.give_back(region.offset, region.length)
+                self._arena(region).give_back(region.offset, region.length)
         self._pool.clear()
         self.pooled_bytes = 0
         for arena in self.arenas:
             arena.close()
         self.arenas = [arena for arena in self.arenas if arena.fd >= 0]
+        for checkpoint in list(self.checkpoints.values()):
+            checkpoint.close()
+        self.checkpoints = {k: f for k, f in self.checkpoints.items() if f.fd >= 0}
         self._finalizer()
 
 

@@ -10,7 +10,7 @@ from collections.abc import Hashable
 import torch
 
 from tensorscope._torch import storage_address
-from tensorscope.residency.disk import DiskRegion
+from tensorscope.residency.mapping import DiskRegion
 from tensorscope.residency.placement import Placement
 from tensorscope.residency.tiers import TIER_ORDER
 

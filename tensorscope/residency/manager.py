@@ -34,7 +34,7 @@ import torch
 from tensorscope import _intercept
 from tensorscope._slot import set_residency_active
 from tensorscope._thread import ThreadState, thread_state
-from tensorscope._torch import cuda_stream
+from tensorscope._torch import cuda_stream, no_dispatch, tensor_over
 from tensorscope._units import format_bytes
 from tensorscope.errors import (
     ArgumentTypeError,
@@ -45,6 +45,7 @@ from tensorscope.errors import (
 from tensorscope.graph.record import Recorder
 from tensorscope.policies import Action, Flow, Policy
 from tensorscope.residency import config, room
+from tensorscope.residency.checkpoint_files import StoredTensor
 from tensorscope.residency.disk import DiskTier
 from tensorscope.residency.ledger import Ledger
 from tensorscope.residency.movers import Movers
@@ -105,6 +106,7 @@ class ResidencyManager:
         self._threads: dict[int, ThreadState] = {}  # threads whose mode routes ops here
         self._handles: weakref.WeakSet[Any] = weakref.WeakSet()  # live ts.manage() handles
         self.ops = OpPath(self)
+        self.converted = 0  # stored tensors converted into offload files (another dtype)
 
     # ------------------------------------------------------------------------ configuration
     def configure(
@@ -239,6 +241,9 @@ class ResidencyManager:
                 for name in self.tiers
             }
             count, nbytes, seconds = ledger.transfers
+            in_checkpoint = [
+                p for p in ledger.placements.values() if p.region is not None and p.region.readonly
+            ]
             rep = ResidencyReport(
                 str(self._device),
                 getattr(self._policy, "name", type(self._policy).__name__),
@@ -246,6 +251,9 @@ class ResidencyManager:
                 tiers,
                 Transfers(int(count), int(nbytes), float(seconds)),
                 ledger.prefetched,
+                len(in_checkpoint),
+                sum(p.nbytes for p in in_checkpoint),
+                self.converted,
             )
             if reset:
                 ledger.reset_counters()
@@ -530,6 +538,47 @@ class ResidencyManager:
                 if placement.uid in uids or placement.group in uids:
                     self.unregister(placement)
             self.sweep()
+
+    def place_stored(
+        self, stored: StoredTensor, dtype: torch.dtype, role: Hashable
+    ) -> tuple[torch.Tensor, Placement]:
+        """A tensor holding a checkpoint's stored value, managed on the disk tier: its memory
+        is the checkpoint file itself when the dtypes agree (no copy), else an offload file
+        holding the value converted once (see checkpoint_files.py's NOTE)."""
+        with self._lock:
+            disk = self.disk
+            region = disk.checkpoint_region(stored.path, stored.offset, stored.nbytes)
+            if stored.dtype != dtype:
+                try:
+                    with no_dispatch():
+                        source = tensor_over(region.storage(), stored.dtype, stored.shape)
+                        converted = source.to(dtype).contiguous()
+                    region_converted = disk.store(converted.data_ptr(), converted.nbytes)
+                finally:
+                    disk.release(region, reusable=False)
+                del source, converted
+                region = region_converted
+                self.converted += 1
+            if self._device.type == "cuda":  # the region is the disk copy of device memory
+                self.make_room(region.nbytes, "ts.manage()")
+                tensor = torch.empty(stored.shape, dtype=dtype, device=self._device)
+                placement = Placement(tensor.untyped_storage(), role, 0)
+                placement.region = region
+                self.add(placement)
+                self.demote_placement(placement, "disk")
+            else:  # the region is the tensor's memory (no page touched yet)
+                tensor = tensor_over(region.storage(), dtype, stored.shape)
+                placement = Placement(tensor.untyped_storage(), role, 0)
+                placement.region = region
+                placement.tier = "disk"
+                self.add(placement)
+            self.attach_thread()
+            return tensor, placement
+
+    def relocate(self, placement: Placement) -> None:
+        """Copy on first write (see checkpoint_files.py's NOTE)."""
+        with self._lock:
+            self.movers().relocate(placement)
 
     def add_handle(self, handle: Any) -> None:
         self._handles.add(handle)

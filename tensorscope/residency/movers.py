@@ -9,7 +9,8 @@ import torch
 
 from tensorscope._torch import cuda_event, new_storage, no_dispatch
 from tensorscope.errors import ResidencyError, ResidencyWarning
-from tensorscope.residency.disk import DiskRegion, DiskTier
+from tensorscope.residency.disk import DiskTier
+from tensorscope.residency.mapping import DiskRegion
 from tensorscope.residency.placement import Placement
 from tensorscope.residency.tiers import DeviceTier, HostTier, TierName, empty_storage, swap_in
 
@@ -68,9 +69,10 @@ class Movers:
             placement.host = host
         else:
             region = placement.region or self.disk.allocate(placement.nbytes)
-            view = region.storage()
-            pinned = placement.host
-            view.copy_(pinned if source == "host" and pinned is not None else placement.storage)
+            if not region.readonly:  # a checkpoint's region already holds these bytes
+                view = region.storage()
+                pinned = placement.host
+                view.copy_(pinned if source == "host" and pinned is not None else placement.storage)
             if source == "device":
                 self._release_device(placement)
             placement.host = None
@@ -95,6 +97,24 @@ class Movers:
         placement.region = region
         self.migrated_bytes += placement.nbytes
         return region
+
+    def relocate(self, placement: Placement) -> None:
+        """Copy on first write: a checkpoint-backed placement gets its own offload region
+        before anything writes to it (the checkpoint is never modified). On a CPU device its
+        memory becomes the new region (mapped if it was resident); on CUDA the device copy is
+        the data, and the next demotion writes it to a region of its own."""
+        old = placement.region
+        if old is None or not old.readonly:
+            return
+        with no_dispatch():
+            region = None
+            if self.device.is_cpu:
+                region = self.disk.store(old.address, placement.nbytes)  # raises if disk full
+                swap_in(placement.storage, region.storage())
+                if placement.tier == "device":
+                    region.populate(write=True)
+            placement.region = region
+            self.disk.release(old, reusable=False)
 
     def back_with_file(self, placement: Placement) -> None:
         """CPU device: give a device-resident placement file-backed memory now, mapped (it

@@ -155,7 +155,7 @@ class OpPath:
                 return split.join_results(
                     [self.run(func, kind, a, k, results_due) for a, k in calls]
                 )
-        self._before(func, operands, estimate)
+        self._before(func, operands, estimate, kind == MUTATING)
         try:
             out = _call(func, args, kwargs)
         except BaseException:
@@ -164,7 +164,7 @@ class OpPath:
         self._after(func, operands, estimate, out, manage_results, kind == MUTATING, group)
         return out
 
-    def _before(self, func: Any, operands: list[Placement], estimate: int) -> None:
+    def _before(self, func: Any, operands: list[Placement], estimate: int, mutating: bool) -> None:
         manager = self.manager
         with manager._lock:
             manager.clock += 1
@@ -179,17 +179,21 @@ class OpPath:
                 placement.pins += 1
             try:
                 movers = manager.movers()
-                arenas: dict[int, Placement] = {}
+                files: dict[int, Placement] = {}
                 for placement in operands:
                     region = placement.region
                     if region is not None:
-                        arenas.setdefault(id(region.arena), placement)
-                for placement in arenas.values():
+                        files.setdefault(id(region.file), placement)
+                for placement in files.values():
                     movers.check_readable(placement)
                 missing = [p for p in operands if p.tier != "device"]
                 manager.make_room(sum(p.nbytes for p in missing) + estimate, f"op {name}")
                 for placement in missing:
                     manager.promote_placement(placement)
+                if mutating:  # copy on first write: a checkpoint file is never modified
+                    for placement in operands:
+                        if placement.region is not None and placement.region.readonly:
+                            manager.relocate(placement)
             except BaseException:
                 for placement in operands:
                     placement.pins -= 1

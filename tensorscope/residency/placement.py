@@ -16,7 +16,7 @@ from collections.abc import Hashable
 import torch
 
 from tensorscope._torch import storage_use_count
-from tensorscope.residency.disk import DiskRegion
+from tensorscope.residency.mapping import DiskRegion
 from tensorscope.residency.tiers import TierName
 
 __all__ = ["Placement"]

@@ -33,6 +33,11 @@ class ResidencyReport:
     tiers: dict[str, TierReport]
     transfers: Transfers
     prefetches: int
+    # Placements whose disk copy is a checkpoint file itself (ts.manage(checkpoint=...)), their
+    # bytes, and the stored tensors converted into offload files (their dtype differed).
+    checkpoint_placements: int = 0
+    checkpoint_bytes: int = 0
+    converted: int = 0
 
     @property
     def peak_bytes(self) -> int:
@@ -55,4 +60,10 @@ class ResidencyReport:
             f"  transfers: {t.count} moves, {format_bytes(t.bytes)} in {t.seconds:.3f} s; "
             f"{self.prefetches} prefetched"
         )
+        if self.checkpoint_placements or self.converted:
+            lines.append(
+                f"  checkpoint: {self.checkpoint_placements} tensors "
+                f"({format_bytes(self.checkpoint_bytes)}) read in place from the checkpoint "
+                f"files; {self.converted} converted into offload files (another dtype)"
+            )
         return "\n".join(lines)

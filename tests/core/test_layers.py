@@ -27,7 +27,8 @@ LAYERS: list[tuple[str, ...]] = [
     ("_optimizer",),  # torch.optim step hooks
     ("_intercept", "_leaks"),  # the dispatch mode; the leak report
     ("scope",),  # DisposeScope, statistics
-    ("residency",),  # the residency manager package
+    ("residency", "empty_init"),  # the residency manager package; meta-device construction
+    ("loading",),  # ts.manage(checkpoint=...)
     ("manage",),  # ts.manage()
     ("checkpoint", "memory"),  # rotor; RSS sampling
     ("demo",),  # `tensorscope demo`

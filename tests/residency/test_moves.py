@@ -93,7 +93,7 @@ def test_a_truncated_offload_file_raises_and_the_ref_stays_on_disk() -> None:
     t.demote()
     placement = ts.residency.placement_of(t)
     assert placement is not None and placement.region is not None
-    os.ftruncate(placement.region.arena.fd, 0)  # someone else truncated the file
+    os.ftruncate(placement.region.file.fd, 0)  # someone else truncated the file
     with pytest.raises(ts.ResidencyError, match="truncated"):
         t.promote()
     assert t.tier == "disk"
