@@ -443,7 +443,10 @@ def _empty_like(tensor: torch.Tensor) -> torch.Tensor:
             empty = torch.empty(0, dtype=tensor.dtype, device=tensor.device)
         elif layout is torch.sparse_coo:
             empty = torch.sparse_coo_tensor(
-                torch.empty((1, 0), dtype=torch.int64), torch.empty(0, dtype=tensor.dtype), (0,)
+                torch.empty((1, 0), dtype=torch.int64),
+                torch.empty(0, dtype=tensor.dtype),
+                (0,),
+                check_invariants=False,
             ).to(tensor.device)
         else:  # compressed sparse layouts
             empty = torch.empty((0, 0), dtype=tensor.dtype, layout=layout, device=tensor.device)

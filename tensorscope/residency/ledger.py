@@ -75,14 +75,15 @@ class Ledger:
         self.account(placement.tier, placement.nbytes)
         self.count_transfer(placement.nbytes, seconds)
 
-    def forget(self, placement: Placement) -> DiskRegion | None:
-        """Drop ``placement``; returns its disk region for the caller to release."""
+    def forget(self, placement: Placement, tier: str | None = None) -> DiskRegion | None:
+        """Drop ``placement`` (counted on ``tier``, default its own); returns its disk region
+        for the caller to release."""
         self.placements.pop(placement.key, None)
         self.by_uid.pop(placement.uid, None)
         self.resident.pop(placement.uid, None)
         if self.by_role.get(placement.role) is placement:
             del self.by_role[placement.role]
-        self.account(placement.tier, -placement.nbytes)
+        self.account(tier or placement.tier, -placement.nbytes)
         region, placement.region = placement.region, None
         return region
 

@@ -53,6 +53,7 @@ from tensorscope.residency.oppath import OpPath
 from tensorscope.residency.placement import Placement
 from tensorscope.residency.prefetch import Prefetcher
 from tensorscope.residency.report import ResidencyReport, TierReport, Transfers
+from tensorscope.residency.room import Blocked
 from tensorscope.residency.signals import watch_private_dirs
 from tensorscope.residency.tiers import (
     TIER_ORDER,
@@ -313,13 +314,12 @@ class ResidencyManager:
             placement.wait()
             source = placement.tier
             self.movers().materialize(placement)
-            self.ledger.account(source, -placement.nbytes)
-            self.ledger.account("device", placement.nbytes)
-            self._forget(placement)
+            # It leaves the accounting from the tier it was on: ordinary memory is not managed.
+            self._forget(placement, tier=source)
 
-    def _forget(self, placement: Placement) -> None:
+    def _forget(self, placement: Placement, tier: TierName | None = None) -> None:
         placement.wait()
-        region = self.ledger.forget(placement)
+        region = self.ledger.forget(placement, tier)
         if region is not None and self._disk is not None:
             # Nothing uses its memory any more (the storage died, or has other memory now).
             self._disk.release(region, reusable=True)
@@ -354,12 +354,17 @@ class ResidencyManager:
             if placement is None or placement.tier == "device":
                 return
             self.check_fits(placement.nbytes, "promote()")
-            placement.pins += 1
-            try:
-                self.make_room(placement.nbytes, "promote()")
-                self.promote_placement(placement)
-            finally:
-                placement.pins -= 1
+            while True:
+                placement.pins += 1
+                try:
+                    self.make_room(placement.nbytes, "promote()", holding_pins=True)
+                    self.promote_placement(placement)
+                    return
+                except Blocked:
+                    pass  # unpinned below, then wait for other threads' ops
+                finally:
+                    placement.pins -= 1
+                self._room.wait(_WAIT_S)
 
     def tier_of(self, tensor: torch.Tensor) -> TierName:
         placement = self.ledger.find(tensor)
@@ -460,8 +465,12 @@ class ResidencyManager:
                 "moved. Raise the budget (ts.residency.configure(budget=...)) or split the op."
             )
 
-    def make_room(self, needed: int, what: str) -> None:
-        """Demote until ``needed`` more bytes fit the budget (see the NOTE on threads)."""
+    def make_room(self, needed: int, what: str, *, holding_pins: bool = False) -> None:
+        """Demote until ``needed`` more bytes fit the budget (see the NOTE on threads).
+
+        When only ops in flight on other threads can free the room, wait for them; a caller
+        that holds pins gets ``Blocked`` instead: it must unpin, wait and start over (while it
+        waits, its pins would block the others)."""
         budget = self._budget
         ledger = self.ledger
         while budget is not None and ledger.device_total + needed > budget:
@@ -478,6 +487,8 @@ class ResidencyManager:
                     if ledger.device_total + needed <= budget:
                         return
             if self.in_flight > 0:  # other threads' ops hold the bytes: wait for one
+                if holding_pins:
+                    raise Blocked
                 self._room.wait(_WAIT_S)
                 continue
             raise OutOfBudgetError(

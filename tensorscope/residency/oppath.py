@@ -20,6 +20,7 @@ from tensorscope._torch import no_dispatch, storage_address
 from tensorscope.policies import OpView
 from tensorscope.residency import room, split
 from tensorscope.residency.placement import Placement
+from tensorscope.residency.room import Blocked
 
 if TYPE_CHECKING:
     from tensorscope.residency.manager import ResidencyManager
@@ -27,6 +28,7 @@ if TYPE_CHECKING:
 __all__ = ["OpPath"]
 
 _SWEEP_EVERY = 64  # ops between sweeps of placements nothing else holds any more
+_WAIT_S = 0.05  # re-check for room this often while other threads' ops hold it
 _META_CACHE_LIMIT = 4096  # op signatures whose result sizes are remembered
 
 
@@ -175,30 +177,8 @@ class OpPath:
             manager.check_fits(
                 sum(p.nbytes for p in operands) + estimate, f"op {name} (operands and results)"
             )
-            for placement in operands:
-                placement.pins += 1
-            try:
-                movers = manager.movers()
-                files: dict[int, Placement] = {}
-                for placement in operands:
-                    region = placement.region
-                    if region is not None:
-                        files.setdefault(id(region.file), placement)
-                for placement in files.values():
-                    movers.check_readable(placement)
-                missing = [p for p in operands if p.tier != "device"]
-                manager.make_room(sum(p.nbytes for p in missing) + estimate, f"op {name}")
-                for placement in missing:
-                    manager.promote_placement(placement)
-                if mutating:  # copy on first write: a checkpoint file is never modified
-                    for placement in operands:
-                        if placement.region is not None and placement.region.readonly:
-                            manager.relocate(placement)
-            except BaseException:
-                for placement in operands:
-                    placement.pins -= 1
-                manager._room.notify_all()
-                raise
+            while not self._make_resident(operands, estimate, mutating, name):
+                manager._room.wait(_WAIT_S)  # other threads' ops hold the room: wait for one
             manager.ledger.reserved += estimate
             manager.in_flight += 1
             recorder = manager.recorder()
@@ -208,6 +188,43 @@ class OpPath:
                 manager.iteration_end()  # a repeated forward began a new iteration
         for placement in operands:
             placement.wait()
+
+    def _make_resident(
+        self, operands: list[Placement], estimate: int, mutating: bool, name: str
+    ) -> bool:
+        """Pin the operands and make them resident, with room for the results; False (and
+        nothing pinned) when only other threads' ops in flight can free the room."""
+        manager = self.manager
+        for placement in operands:
+            placement.pins += 1
+        try:
+            movers = manager.movers()
+            files: dict[int, Placement] = {}
+            for placement in operands:
+                region = placement.region
+                if region is not None:
+                    files.setdefault(id(region.file), placement)
+            for placement in files.values():
+                movers.check_readable(placement)
+            missing = [p for p in operands if p.tier != "device"]
+            needed = sum(p.nbytes for p in missing) + estimate
+            manager.make_room(needed, f"op {name}", holding_pins=True)
+            for placement in missing:
+                manager.promote_placement(placement)
+            if mutating:  # copy on first write: a checkpoint file is never modified
+                for placement in operands:
+                    if placement.region is not None and placement.region.readonly:
+                        manager.relocate(placement)
+        except Blocked:
+            for placement in operands:
+                placement.pins -= 1
+            return False
+        except BaseException:
+            for placement in operands:
+                placement.pins -= 1
+            manager._room.notify_all()
+            raise
+        return True
 
     def _abort(self, operands: list[Placement], estimate: int) -> None:
         manager = self.manager
@@ -239,12 +256,16 @@ class OpPath:
                 if mutating:
                     placement.written = True
             results = self._register_results(out, operands, group) if manage_results else []
-            for placement in results:
+            for placement in operands:  # the op is done with them
+                placement.pins -= 1
+            manager._room.notify_all()
+            budget = manager.budget_bytes
+            if budget is not None and ledger.device_total > budget:
+                manager.make_room(0, f"op {func} (results)")  # the estimate was short
+            busy = (*operands, *results)
+            for placement in busy:  # the policy sees them as in use while it decides
                 placement.pins += 1
             try:
-                budget = manager.budget_bytes
-                if budget is not None and ledger.device_total > budget:
-                    manager.make_room(0, f"op {func} (results)")  # the estimate was short
                 policy = manager.policy
                 wants = getattr(policy, "wants_snapshot_after_op", True)
                 snapshot = None
@@ -258,7 +279,7 @@ class OpPath:
                 )
                 actions = policy.after_op(view)
             finally:
-                for placement in (*operands, *results):
+                for placement in busy:
                     placement.pins -= 1
             manager.apply(actions)
             manager._room.notify_all()

@@ -14,7 +14,11 @@ from tensorscope.policies import Entry, Policy, Snapshot
 from tensorscope.residency.ledger import Ledger
 from tensorscope.residency.placement import Placement
 
-__all__ = ["snapshot", "victims"]
+__all__ = ["Blocked", "snapshot", "victims"]
+
+
+class Blocked(Exception):
+    """Room can come only from ops in flight on other threads (see ``make_room``)."""
 
 
 def snapshot(
