@@ -35,7 +35,7 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from tensorscope import _optimizer
+from tensorscope import _keepers, _optimizer
 from tensorscope._sites import NotOwned, capture_site, user_site
 from tensorscope._slot import ACTIVE
 from tensorscope._state import Counters, Owner, register_ref
@@ -261,6 +261,7 @@ def _install_global_hooks() -> None:
         torch.nn.modules.module.register_module_buffer_registration_hook(unown_buffer)
     )
     _global_hooks.extend(_optimizer.install_hooks())
+    _keepers.install()
     # torch.frombuffer is the one creator that bypasses the dispatcher (DESIGN.md).
     torch.frombuffer = _frombuffer
     _skip_our_frames_in_dynamo()

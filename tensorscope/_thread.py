@@ -45,6 +45,7 @@ Layer 2: imports only layers 0-2.
 from __future__ import annotations
 
 import contextlib
+import os
 import threading
 import weakref
 from collections.abc import Iterator
@@ -53,6 +54,7 @@ from typing import TYPE_CHECKING, Literal
 
 import torch
 
+from tensorscope._slot import ACTIVE
 from tensorscope._state import Counters, Owner
 from tensorscope._torch import mode_on_top, pop_mode, push_mode
 
@@ -185,6 +187,26 @@ _local = _Local()
 def thread_state() -> ThreadState:
     """This thread's :class:`ThreadState`."""
     return _local.state
+
+
+def _reset_after_fork() -> None:
+    """In a child process (a DataLoader worker forked inside a scope): start with no scope open,
+    the mode popped and no residency routing; what the child makes is its own, as in plain
+    PyTorch (a batch a worker made inside the parent's scope came back as that scope's ref)."""
+    state = thread_state()
+    if state.pushed and state.mode is not None and mode_on_top(state.mode):
+        pop_mode()
+    state.pushed = False
+    state.scope_users = state.residency_users = state.unowned_depth = 0
+    state.popped_for = None
+    state.regions = []
+    state.pending = []
+    state.pending_lock = threading.Lock()
+    CURRENT_SCOPE.set(None)
+    ACTIVE.clear()
+
+
+os.register_at_fork(after_in_child=_reset_after_fork)
 
 
 def all_thread_states() -> list[ThreadState]:

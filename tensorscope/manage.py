@@ -14,6 +14,7 @@ import copy
 import itertools
 import os
 import warnings
+import weakref
 from types import TracebackType
 from typing import Any
 
@@ -73,7 +74,7 @@ class ManagedModule:
         self.module = module
         self._manager = manager
         self._id = next(self._ids)
-        self._tensors: list[tuple[torch.Tensor, type[torch.Tensor]]] = []
+        self._count = 0
         self._groups: set[int] = set()
         self._removed = False
 
@@ -89,7 +90,10 @@ class ManagedModule:
             tensor.__class__ = ManagedParameter
         elif original is torch.Tensor:
             tensor.__class__ = ManagedBuffer
-        self._tensors.append((tensor, original))
+        # The manager gives the class back when it stops managing the tensor (remove(), or
+        # ts.residency.reset() after the handle was dropped).
+        placement.restore = (weakref.ref(tensor), original)
+        self._count += 1
 
     @property
     def removed(self) -> bool:
@@ -104,9 +108,6 @@ class ManagedModule:
             return
         self._removed = True
         self._manager.unmanage(self._groups)
-        for tensor, original in self._tensors:
-            tensor.__class__ = original
-        self._tensors.clear()
 
     def __enter__(self) -> Self:
         return self
@@ -120,7 +121,7 @@ class ManagedModule:
         self.remove()
 
     def __repr__(self) -> str:
-        state = "removed" if self._removed else f"{len(self._tensors)} tensors"
+        state = "removed" if self._removed else f"{self._count} tensors"
         return f"<ManagedModule {type(self.module).__name__}: {state}>"
 
 

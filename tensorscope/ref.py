@@ -474,6 +474,13 @@ def unown_buffer(module: torch.nn.Module, name: str, buffer: torch.Tensor | None
         _convert(buffer, torch.Tensor)
 
 
+def unown(tensors: Iterable[object]) -> None:
+    """Refs among ``tensors`` leave their scopes as plain tensors (torch keeps them as state)."""
+    for tensor in tensors:
+        if type(tensor) is TensorRef:
+            _convert(tensor, torch.Tensor)
+
+
 def _convert(tensor: TensorRef, cls: type[torch.Tensor]) -> None:
     """Turn a ref into a plain ``cls`` that tensorscope no longer owns (counts as detached)."""
     state = state_of(tensor)

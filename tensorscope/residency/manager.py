@@ -319,6 +319,10 @@ class ResidencyManager:
 
     def _forget(self, placement: Placement, tier: TierName | None = None) -> None:
         placement.wait()
+        if placement.restore is not None:  # a ts.manage()d tensor gets its class back
+            tensor, original = placement.restore[0](), placement.restore[1]
+            if tensor is not None:
+                tensor.__class__ = original
         region = self.ledger.forget(placement, tier)
         if region is not None and self._disk is not None:
             # Nothing uses its memory any more (the storage died, or has other memory now).

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import itertools
 import threading
+import weakref
 from collections.abc import Hashable
 
 import torch
@@ -36,6 +37,7 @@ class Placement:
         "pending",
         "pins",
         "region",
+        "restore",
         "role",
         "storage",
         "tier",
@@ -58,6 +60,8 @@ class Placement:
         self.pending: threading.Event | torch.cuda.Event | None = None
         self.written = False
         self.pins = 0  # ops in flight (on any thread) that use it: it must stay on the device
+        # A managed parameter/buffer and its class before ts.manage(), restored when unmanaged.
+        self.restore: tuple[weakref.ref[torch.Tensor], type[torch.Tensor]] | None = None
 
     def alive_elsewhere(self) -> bool:
         """Whether anything but this placement still holds the storage."""

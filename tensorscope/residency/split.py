@@ -1,4 +1,5 @@
-"""Splitting multi-tensor ops (``_foreach_*``, ``_fused_*``) into groups that fit the budget.
+"""Splitting multi-tensor ops (``_foreach_*``, ``_fused_*``, ``_amp_foreach_*``) into groups
+that fit the budget.
 
 ``clip_grad_norm_``, ``AdamW(foreach=True)`` and ``AdamW(fused=True)`` hand one op every
 parameter at once; under a budget smaller than the parameters that op could never run. Each
@@ -26,7 +27,7 @@ def _list_positions(func: Any) -> tuple[int, ...] | None:
         return _splittable[func]
     schema = func._schema
     positions: tuple[int, ...] | None = None
-    if schema.name.startswith(("aten::_foreach_", "aten::_fused_")):
+    if schema.name.startswith(("aten::_foreach_", "aten::_fused_", "aten::_amp_foreach_")):
         found = tuple(
             index
             for index, argument in enumerate(schema.arguments)

@@ -24,7 +24,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("_thread",),  # per-thread state
     ("_plain",),  # plain-tensor protocols of refs
     ("ref",),  # TensorRef, disposal
-    ("_optimizer",),  # torch.optim step hooks
+    ("_optimizer", "_keepers"),  # torch.optim step hooks; torch entry points that keep state
     ("_intercept", "_leaks"),  # the dispatch mode; the leak report
     ("scope",),  # DisposeScope, statistics
     ("residency", "empty_init"),  # the residency manager package; meta-device construction
