@@ -1,8 +1,11 @@
 """Step time with ``ts.scope()`` vs plain PyTorch, and µs added per op.
 
-Workloads (issue 2): (a) MLP 784-1024-1024-10, batch 64, Adam; (b)
+Workloads: (a) MLP 784-1024-1024-10, batch 64, Adam; (b)
 ``nn.TransformerEncoderLayer(d_model=512, nhead=8, batch_first=True)`` on (8, 256, 512), Adam;
-(c) a 64-element add of two refs, in a tight loop.
+(c) a 64-element add of two refs, in a tight loop; (d) HF ``generate()`` (greedy, 8 new tokens,
+KV cache) of tiny GPT-2 and Llama models built from configs (4 layers, hidden 256), whose
+thousands of small ops are what LLM decoding looks like, with the cost per tensor the scope
+creates (the scope's extra time over the number of tensors it owned).
 
 Method: both variants train the same model in one process. Steps alternate plain/scoped (the
 order flips every round) so drift in CPU frequency, caches and the allocator hits both sides
@@ -116,16 +119,61 @@ def per_op_added_us(repeats: int, n: int) -> tuple[float, float]:
     return statistics.median(plain), statistics.median(added)
 
 
+def _generate_step(kind: str) -> tuple[Callable[[], None], Callable[[], int]]:
+    """A generate() call of a tiny model, and a count of the tensors one call creates."""
+    import transformers
+
+    torch.manual_seed(0)
+    if kind == "gpt2":
+        config = transformers.GPT2Config(
+            vocab_size=1000, n_positions=128, n_embd=256, n_layer=4, n_head=4
+        )
+    else:
+        config = transformers.LlamaConfig(
+            vocab_size=1000,
+            hidden_size=256,
+            intermediate_size=688,
+            num_hidden_layers=4,
+            num_attention_heads=4,
+            num_key_value_heads=4,
+        )
+    model = transformers.AutoModelForCausalLM.from_config(config).eval()
+    ids = torch.randint(0, 1000, (1, 16))
+    mask = torch.ones_like(ids)
+
+    def step() -> None:
+        with torch.no_grad():
+            model.generate(
+                ids,
+                attention_mask=mask,
+                max_new_tokens=8,
+                min_new_tokens=8,
+                do_sample=False,
+                pad_token_id=0,
+            )
+
+    def created() -> int:
+        before = ts.stats().created_in_scope
+        with ts.scope():
+            step()
+        return ts.stats().created_in_scope - before
+
+    return step, created
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="few rounds (smoke test)")
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
+    parser.add_argument("--no-generate", action="store_true", help="skip the generate() rows")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     # Long runs on random data drive Adam's moments into denormals, which slow CPU kernels
     # tenfold and swamp what is measured here.
     torch.set_flush_denormal(True)
-    rounds, mlp_steps, tf_steps, op_repeats = (2, 5, 2, 3) if args.quick else (9, 15, 5, 15)
+    rounds, mlp_steps, tf_steps, op_repeats, gen_steps = (
+        (2, 5, 2, 3, 3) if args.quick else (9, 15, 5, 15, 7)
+    )
 
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads")
     print(f"{'workload':<44}{'plain':>10}{'scoped':>10}{'ratio':>8}{'target':>8}")
@@ -140,6 +188,17 @@ def main() -> None:
         f"{'64-element add of refs (µs per op)':<44}{plain_us:>8.2f}us"
         f"{plain_us + added_us:>8.2f}us{'+' + format(added_us, '.2f'):>8}{'+5.00':>8}"
     )
+    if args.no_generate:
+        return
+    for kind in ("gpt2", "llama"):
+        step, created = _generate_step(kind)
+        plain, scoped, ratio = step_ratio(step, rounds, gen_steps)
+        name = f"{kind} generate(), 4x256, 8 new tokens"
+        print(f"{name:<44}{plain * 1e3:>8.2f}ms{scoped * 1e3:>8.2f}ms{ratio:>8.3f}{1.35:>7.2f}x")
+        count = created()
+        per_tensor = (scoped - plain) / count * 1e6
+        label = f"  per tensor it creates ({count} tensors)"
+        print(f"{label:<44}{'':>10}{'':>10}{'+' + format(per_tensor, '.2f'):>8}{'+2.00':>8}")
 
 
 if __name__ == "__main__":
