@@ -36,9 +36,9 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from tensorscope import _keepers, _optimizer
-from tensorscope._sites import NotOwned, capture_site, user_site
+from tensorscope._sites import NOT_OWNED, capture_site, user_site
 from tensorscope._slot import ACTIVE
-from tensorscope._state import Counters, Owner, register_ref
+from tensorscope._state import STATES, Counters, Owner, RefState, on_ref_death, register_ref
 from tensorscope._thread import CURRENT_SCOPE, ThreadState, thread_state
 from tensorscope._torch import (
     ACCUMULATE_GRAD,
@@ -105,13 +105,34 @@ def accumulate_grad_leaf() -> torch.Tensor | None:
     return leaf
 
 
-def adopt(tensor: torch.Tensor, owner: Owner, counters: Counters) -> bool:
-    """Make a fresh op result a ref owned by ``owner``; False when a state maker made it."""
-    site = capture_site(2)
-    if isinstance(site, NotOwned):
+def adopt(
+    tensor: torch.Tensor,
+    owner: Owner,
+    counters: Counters,
+    _capture: Any = capture_site,
+    _not_owned: Any = NOT_OWNED,
+    _new: Any = RefState,
+    _on_death: Any = on_ref_death,
+    _states: dict[int, RefState] = STATES,
+) -> bool:
+    """Make a fresh op result a ref owned by ``owner``; False when a state maker made it.
+
+    The hot path: ``register_ref`` inlined (default arguments bind the globals)."""
+    site = _capture(2)
+    if site is _not_owned:
         return False
     tensor.__class__ = TensorRef
-    register_ref(tensor, owner, site, counters)
+    state = _new(tensor, _on_death)
+    key = id(tensor)
+    state.key = key
+    state.owner = owner
+    state.site = site
+    state.counters = counters
+    state.disposal = None
+    state.grad_of = None
+    _states[key] = state
+    owner._owned[key] = state
+    counters.created_in_scope += 1
     return True
 
 

@@ -36,6 +36,7 @@ __all__ = [
     "disposed_error",
     "disposed_error_for",
     "move_state",
+    "on_ref_death",
     "register_ref",
     "state_of",
 ]
@@ -144,7 +145,7 @@ STATES: dict[int, RefState] = {}
 CONVERTED: dict[int, RefState] = {}
 
 
-def _on_ref_death(
+def on_ref_death(
     state: RefState,
     _states: dict[int, RefState] = STATES,
     _converted: dict[int, RefState] = CONVERTED,
@@ -158,7 +159,9 @@ def _on_ref_death(
     if state.disposal is None:
         owner = state.owner
         if owner is not None:
-            owner.release(state)
+            owned = owner._owned  # (the owner contract's release(), inlined: a hot path)
+            if owned.get(key) is state:
+                del owned[key]
             state.counters.disposed_in_scope += 1
         else:
             state.counters.disposed_outside_scope += 1
@@ -169,7 +172,7 @@ def register_ref(
 ) -> RefState:
     """The one constructor of ref states: register ``tensor`` (already of class TensorRef),
     owned by ``owner``, and count its creation."""
-    state = RefState(tensor, _on_ref_death)
+    state = RefState(tensor, on_ref_death)
     key = id(tensor)
     state.key = key
     state.owner = None
