@@ -10,12 +10,11 @@ from pathlib import Path
 
 import pytest
 import torch
+import transformers
 from safetensors.torch import save_file
 from torch import nn
 
 import tensorscope as ts
-
-transformers = pytest.importorskip("transformers")
 
 MiB = 1 << 20
 
