@@ -278,8 +278,8 @@ def tensorscope_status() -> tuple[bool, str]:
 
 
 TENSORSCOPE_MISSING = (
-    "skipped: this tensorscope has no ts.manage / ts.residency yet (API.md §4 not implemented); "
-    "the variant runs as soon as they exist"
+    "skipped: this tensorscope has no ts.manage / ts.residency yet (docs/api.md §4 not "
+    "implemented); the variant runs as soon as they exist"
 )
 
 

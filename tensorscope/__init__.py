@@ -1,6 +1,6 @@
 """tensorscope: explicit, deterministic control over PyTorch tensor memory.
 
-Public names only (see API.md); no logic here.
+Public names only (see docs/api.md); no logic here.
 """
 
 from tensorscope import checkpoint

@@ -7,7 +7,7 @@
 # dict per tensor on the hot path, and ``copy.deepcopy``/``torch.save`` copy ``__dict__``. The
 # weak reference's callback runs when the tensor's C++ object dies (torch keeps a tensor's Python
 # object alive while C++ still holds the tensor), which is when a ref "freed by Python" counts as
-# disposed (docs/api.md, statistics).
+# disposed (docs/api.md §3).
 #
 # NOTE [the owner contract]
 # An ``Owner`` (a ``DisposeScope``) keeps its refs in ``_owned``; only the methods below change

@@ -1,4 +1,4 @@
-"""The tensorscope exception hierarchy (API.md §6).
+"""The tensorscope exception hierarchy (docs/api.md §6).
 
 Every error tensorscope raises derives from :class:`TensorScopeError`, and also from the builtin
 exception a PyTorch user would expect (``RuntimeError``, ``MemoryError``, ``ValueError``,

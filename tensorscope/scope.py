@@ -44,7 +44,7 @@ _R = TypeVar("_R")
 
 @dataclass(frozen=True)
 class Stats:
-    """A snapshot of this thread's ref counters (API.md §3). ``live`` = created - disposed."""
+    """A snapshot of this thread's ref counters (docs/api.md §3). ``live`` = created - disposed."""
 
     created_in_scope: int
     created_outside_scope: int
@@ -103,7 +103,7 @@ class DisposeScope(Owner):
     Use it as a context manager (``with ts.scope(name="step") as s:``) or as a decorator
     (``@ts.scope()``: a new scope per call; refs of that scope found in the return value move
     to the caller's scope, so returning a tensor works). At exit every ref it still owns is
-    disposed. See API.md §1 for every member.
+    disposed. See docs/api.md §1 for every member.
 
     Example:
         >>> import torch, tensorscope as ts

@@ -15,7 +15,7 @@ from tensorscope.errors import ArgumentTypeError, InvalidArgumentError
 __all__ = ["Chain", "Op", "Schedule", "format_ops"]
 
 #: One step of a schedule: ``("Fn", k)``, ``("Fck", k)``, ``("Fe", k)``, ``("B", k)`` or
-#: ``("Loss",)``. See API.md §5 and ``docs/checkpoint.md`` for what each one does to memory.
+#: ``("Loss",)``. See docs/api.md §5 and ``docs/checkpoint.md`` for what each one does to memory.
 Op: TypeAlias = tuple[str, int] | tuple[str]
 
 FORWARD_KINDS = ("Fn", "Fck", "Fe")
