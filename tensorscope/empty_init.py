@@ -19,6 +19,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from tensorscope.errors import ArgumentTypeError
+
 __all__ = ["empty_init"]
 
 # (parameters, buffers) counts of empty_init blocks open in this thread/task
@@ -68,6 +70,11 @@ def empty_init(include_buffers: bool = False) -> Iterator[None]:
         >>> layer.weight.device.type, layer.weight.shape
         ('meta', torch.Size([4096, 4096]))
     """
+    if not isinstance(include_buffers, bool):
+        raise ArgumentTypeError(
+            "tensorscope.residency: empty_init(include_buffers=...) takes a bool; got "
+            f"{type(include_buffers).__name__}."
+        )
     _install()
     params, buffers = _ACTIVE.get()
     token = _ACTIVE.set((params + 1, buffers + bool(include_buffers)))

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 import torch
 
 from tensorscope._units import format_bytes
-from tensorscope.errors import ResidencyError
+from tensorscope.errors import ArgumentTypeError, ResidencyError
 from tensorscope.residency.mapping import PAGE, MappedFile
 
 __all__ = ["CheckpointFile", "StoredTensor", "checkpoint_files", "read_checkpoint"]
@@ -79,7 +79,7 @@ def checkpoint_files(checkpoint: str | os.PathLike[str]) -> list[str]:
     """The ``.safetensors`` files of ``checkpoint`` (a file, or a directory laid out by
     ``save_pretrained``)."""
     if not isinstance(checkpoint, (str, os.PathLike)):
-        raise ResidencyError(
+        raise ArgumentTypeError(
             "tensorscope.residency: checkpoint= takes a path to a .safetensors file or a "
             f"directory; got {type(checkpoint).__name__}."
         )
