@@ -36,6 +36,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from tensorscope import _keepers, _optimizer
+from tensorscope._engine import FAST
 from tensorscope._sites import NOT_OWNED, capture_site, user_site
 from tensorscope._slot import ACTIVE
 from tensorscope._state import STATES, Counters, Owner, RefState, on_ref_death, register_ref
@@ -59,12 +60,13 @@ __all__ = [
     "Interceptor",
     "accumulate_grad_leaf",
     "acquire",
+    "adopt_result",
     "release",
     "settle",
 ]
 
 _Tensor = torch.Tensor
-PLAIN, MUTATING, GRAD_CANDIDATE, RECORD_ENTER, RECORD_EXIT, CAST, FRESH = 0, 1, 2, 3, 4, 5, 6
+PLAIN, MUTATING, GRAD_CANDIDATE, CAST, FRESH, RECORD_ENTER, RECORD_EXIT = 0, 1, 2, 3, 4, 5, 6
 _KINDS: dict[Any, int] = {}
 _GRAD_MAKERS = {
     "aten::detach",
@@ -188,6 +190,8 @@ class Interceptor(TorchDispatchMode):  # type: ignore[no-untyped-call]
         super().__init__()  # type: ignore[no-untyped-call]
         self.state = state
         self.counters = state.counters
+        # With the C++ engine this mode only serves the residency manager.
+        self.owns_results = FAST is None
 
     def __torch_dispatch__(
         self,
@@ -208,6 +212,18 @@ class Interceptor(TorchDispatchMode):  # type: ignore[no-untyped-call]
             out = ACTIVE[0].run_op(func, kind, args, kwargs, due)
         else:
             out = func._op(*args, **kwargs) if kwargs else func._op(*args)
+        if kind >= RECORD_ENTER:
+            if kind == RECORD_ENTER:
+                optimizer = isinstance(args[0], str) and args[0].startswith("Optimizer.")
+                state.regions.append(optimizer)
+                state.unowned_depth += optimizer
+                return out
+            if kind == RECORD_EXIT:
+                if state.regions and state.regions.pop():
+                    state.unowned_depth -= 1
+                return out
+        if not self.owns_results:
+            return out
         if kind:
             if kind == MUTATING:
                 return out
@@ -217,19 +233,10 @@ class Interceptor(TorchDispatchMode):  # type: ignore[no-untyped-call]
             elif kind == CAST:
                 if _cached_by_autocast(args, kwargs):
                     return out
-            elif kind == FRESH:
+            else:  # FRESH
                 scope = self._scope()
                 if scope is not None and type(out) is _Tensor:
                     adopt(out, scope, self.counters)
-                return out
-            elif kind == RECORD_ENTER:
-                optimizer = isinstance(args[0], str) and args[0].startswith("Optimizer.")
-                state.regions.append(optimizer)
-                state.unowned_depth += optimizer
-                return out
-            else:  # RECORD_EXIT
-                if state.regions and state.regions.pop():
-                    state.unowned_depth -= 1
                 return out
         if state.unowned_depth:
             return out
@@ -269,6 +276,35 @@ class Interceptor(TorchDispatchMode):  # type: ignore[no-untyped-call]
         return True  # else: the gradient of a parameter or unowned tensor stays plain
 
 
+def adopt_result(
+    tensor: torch.Tensor,
+    _state: Any = thread_state,
+    _current: Any = CURRENT_SCOPE.get,
+    _task: Any = graph_task_id,
+) -> None:
+    """The C++ engine's hook: a fresh plain result of a top-level op on a thread with a scope
+    open (csrc/fast.cpp). The same rules as the Python mode (see _thread.py's table)."""
+    state = _state()
+    if state.pending:
+        release_pending(state)
+    scope = _current()
+    if scope is None:
+        return
+    if scope._closed:
+        scope = scope.resolve()
+        if scope is None:
+            return
+    if _task() != -1:  # inside autograd's engine: a .grad goes to its leaf's owner, or nobody
+        leaf = accumulate_grad_leaf()
+        if leaf is not None:
+            owner = grad_owner_for(leaf)
+            if owner is not None:
+                tensor.__class__ = TensorRef
+                mark_grad_of(register_ref(tensor, owner, user_site(2), state.counters), leaf)
+            return
+    adopt(tensor, scope, state.counters)
+
+
 # ---------------------------------------------------------------------------- global hooks
 _global_hooks: list[Any] = []
 
@@ -286,6 +322,9 @@ def _install_global_hooks() -> None:
     # torch.frombuffer is the one creator that bypasses the dispatcher (DESIGN.md).
     torch.frombuffer = _frombuffer
     _skip_our_frames_in_dynamo()
+    _refs_are_plain_for_tracing()
+    if FAST is not None:
+        FAST.set_hook(adopt_result)
 
 
 def _skip_our_frames_in_dynamo() -> None:
@@ -308,15 +347,33 @@ def _skip_our_frames_in_dynamo() -> None:
         capture_site,
         register_ref,
         release_pending,
+        adopt_result,
     ):
         frames.set_code_exec_strategy(function.__code__, skip)
+
+
+def _refs_are_plain_for_tracing() -> None:
+    """torch's tracing (make_fx, aot_autograd's first-call check of a compiled function) defers
+    any tensor whose exact type is not in ``HANDLED_TYPES``, and a TensorRef made in a scope would
+    fail compiled code run there. A ref is a plain tensor whose class was switched (no
+    ``__torch_function__``, no ``__torch_dispatch__``): it is added to that tuple."""
+    import sys
+
+    from torch.fx.experimental import proxy_tensor
+
+    handled = (*proxy_tensor.HANDLED_TYPES, TensorRef)
+    proxy_tensor.HANDLED_TYPES = handled  # type: ignore[assignment]
+    runtime = sys.modules.get("torch._functorch._aot_autograd.runtime_wrappers")
+    if runtime is not None:  # imported it by name already
+        runtime.HANDLED_TYPES = handled  # type: ignore[attr-defined]
 
 
 @functools.wraps(ORIGINAL_FROMBUFFER)
 def _frombuffer(*args: Any, **kwargs: Any) -> torch.Tensor:
     out = ORIGINAL_FROMBUFFER(*args, **kwargs)
     state = thread_state()
-    if state.pushed and not state.unowned_depth and type(out) is torch.Tensor:
+    owning = state.scope_users > 0 and state.popped_for is None and not state.unowned_depth
+    if owning and type(out) is torch.Tensor:
         scope = CURRENT_SCOPE.get()
         scope = scope.resolve() if scope is not None else None
         if scope is not None:
@@ -337,7 +394,7 @@ def acquire(state: ThreadState, *, residency: bool = False) -> None:
         state.scope_users += 1
     if state.mode is None:
         state.mode = Interceptor(state)
-    state.push()
+    state.sync()
 
 
 def release(state: ThreadState, *, residency: bool = False) -> None:
@@ -362,5 +419,4 @@ def settle(state: ThreadState) -> None:
     if state.pending:
         release_pending(state)
     state.resume()
-    if not state.wanted:
-        state.pop()
+    state.sync()

@@ -55,8 +55,8 @@ def _before_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> No
     _stateless_before[optimizer] = _stateless_params(optimizer)
     state = thread_state()
     state.resume()  # the previous step raised and the exception was caught
-    if active_residency() is None:
-        state.pop_for("optimizer")
+    # Nothing a step makes is owned; the residency manager keeps the mode for its operands.
+    state.pop_for("optimizer", keep_mode=active_residency() is not None)
 
 
 def _after_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:

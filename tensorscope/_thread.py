@@ -54,6 +54,7 @@ from typing import TYPE_CHECKING, Literal
 
 import torch
 
+from tensorscope._engine import FAST
 from tensorscope._slot import ACTIVE
 from tensorscope._state import Counters, Owner
 from tensorscope._torch import mode_on_top, pop_mode, push_mode
@@ -75,7 +76,9 @@ class ThreadState:
     __slots__ = (
         "__weakref__",
         "counters",
+        "key_on",
         "mode",
+        "mode_kept",
         "pending",
         "pending_lock",
         "popped_for",
@@ -92,6 +95,8 @@ class ThreadState:
         self.counters = Counters()
         self.mode: TorchDispatchMode | None = None
         self.pushed = False
+        self.key_on = False  # the C++ engine's dispatch key is included on this thread
+        self.mode_kept = False  # the mode stays pushed while popped_for (residency needs it)
         self.scope_users = 0
         self.residency_users = 0
         self.popped_for: PopReason | None = None
@@ -113,39 +118,46 @@ class ThreadState:
         thread = self.thread()
         return thread is not None and thread.is_alive()
 
-    @property
-    def wanted(self) -> bool:
-        """Whether something on this thread needs the mode (a scope or managed tensors)."""
-        return self.scope_users > 0 or self.residency_users > 0
+    # -------------------------------------------------------- the mode and the C++ engine's key
+    def _mode_wanted(self) -> bool:
+        if self.mode is None or (self.popped_for is not None and not self.mode_kept):
+            return False
+        return self.residency_users > 0 or (self.scope_users > 0 and FAST is None)
 
-    # ------------------------------------------------------------------ the mode on the stack
-    def push(self) -> None:
-        """Put the mode on this thread's dispatch stack (on this thread only)."""
-        if not self.pushed and self.mode is not None and self.popped_for is None:
-            push_mode(self.mode)
-            self.pushed = True
+    def _key_wanted(self) -> bool:
+        return FAST is not None and self.scope_users > 0 and self.popped_for is None
 
-    def pop(self) -> None:
-        """Take the mode off the stack, if it is on top (a mode pushed above ours and not yet
-        exited keeps ours pushed, idle until the next scope event)."""
-        if self.pushed and self.mode is not None and mode_on_top(self.mode):
+    def sync(self) -> None:
+        """On this thread: push or pop the mode and include or exclude the C++ engine's key as
+        what is open here needs. A mode pushed above ours and not yet exited keeps ours pushed
+        (idle) until the next scope event."""
+        mode = self.mode
+        if self._mode_wanted():
+            if not self.pushed and mode is not None:
+                push_mode(mode)
+                self.pushed = True
+        elif self.pushed and mode is not None and mode_on_top(mode):
             pop_mode()
             self.pushed = False
+        key = self._key_wanted()
+        if key != self.key_on:
+            FAST.set_enabled(key)
+            self.key_on = key
 
-    def pop_for(self, reason: PopReason) -> bool:
-        """Pop the mode for a while (an optimizer step, a backward pass); True if popped."""
-        if not self.pushed or self.popped_for is not None or self.mode is None:
+    def pop_for(self, reason: PopReason, keep_mode: bool = False) -> bool:
+        """Stop owning results for a while (an optimizer step, a backward pass): the key off,
+        the mode popped unless ``keep_mode`` (the residency manager needs it); True if paused."""
+        if self.popped_for is not None or not (self.pushed or self.key_on):
             return False
-        if not mode_on_top(self.mode):
+        if self.pushed and not keep_mode and (self.mode is None or not mode_on_top(self.mode)):
             return False
-        pop_mode()
-        self.pushed = False
         self.popped_for = reason
+        self.mode_kept = keep_mode
+        self.sync()
         return True
 
     def resume(self, step_completed: bool = False) -> None:
-        """Push the mode back after ``pop_for`` (also after a step that raised, at the next
-        scope event).
+        """Undo ``pop_for`` (also after a step that raised, at the next scope event).
 
         torch.optim opens its record_function region before the pre-hook pops the mode and
         closes it after the post-hook pushes it back; a step that raised closed it unseen, so
@@ -153,13 +165,14 @@ class ThreadState:
         """
         if self.popped_for is None:
             return
-        settle = self.popped_for == "optimizer" and not step_completed and self.regions
+        # A kept mode saw the region close itself; a popped one did not.
+        unseen = self.popped_for == "optimizer" and not step_completed and not self.mode_kept
+        settle = unseen and self.regions
         if settle and self.regions.pop():
             self.unowned_depth -= 1
         self.popped_for = None
-        if self.wanted and self.mode is not None:
-            push_mode(self.mode)
-            self.pushed = True
+        self.mode_kept = False
+        self.sync()
 
     def take_pending(self) -> list[torch.Tensor]:
         """The tensors left for this thread to release (see the NOTE on cross-thread close)."""
@@ -196,7 +209,11 @@ def _reset_after_fork() -> None:
     state = thread_state()
     if state.pushed and state.mode is not None and mode_on_top(state.mode):
         pop_mode()
+    if state.key_on:
+        FAST.set_enabled(False)
+        state.key_on = False
     state.pushed = False
+    state.mode_kept = False
     state.scope_users = state.residency_users = state.unowned_depth = 0
     state.popped_for = None
     state.regions = []
@@ -215,10 +232,10 @@ def all_thread_states() -> list[ThreadState]:
 
 
 @contextlib.contextmanager
-def mode_popped(reason: PopReason) -> Iterator[None]:
-    """Run a block with this thread's mode off the stack (if it is pushed and on top)."""
+def mode_popped(reason: PopReason, keep_mode: bool = False) -> Iterator[None]:
+    """Run a block without owning results on this thread (see ``ThreadState.pop_for``)."""
     state = thread_state()
-    popped = state.pop_for(reason)
+    popped = state.pop_for(reason, keep_mode)
     try:
         yield
     finally:

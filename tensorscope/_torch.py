@@ -1,7 +1,7 @@
 """Typed doors to the few torch internals tensorscope relies on (checked on torch 2.13).
 
 Keeping them here gives one place to adapt when torch changes, and keeps ``mypy --strict``
-honest everywhere else. Layer 1: imports only torch.
+honest everywhere else. Layer 1: imports torch and the engine only.
 """
 
 from __future__ import annotations
@@ -10,6 +10,8 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
+
+from tensorscope._engine import FAST
 
 __all__ = [
     "ACCUMULATE_GRAD",
@@ -44,8 +46,28 @@ _set_version_counter: Any = _C._autograd._unsafe_set_version_counter
 # buffers, such as the disk tier's mappings, must not become refs).
 ORIGINAL_FROMBUFFER = torch.frombuffer
 
-no_dispatch = _C._DisableTorchDispatch
 no_subclass_function = _C.DisableTorchFunctionSubclass
+
+
+class no_dispatch:
+    """Run tensorscope's own tensor work unseen: no Python dispatch mode, and the C++ engine's
+    key excluded on this thread (its results must not become refs)."""
+
+    __slots__ = ("_key", "_modes")
+
+    def __enter__(self) -> None:
+        self._modes = _C._DisableTorchDispatch()
+        self._modes.__enter__()
+        self._key = FAST is not None and FAST.is_enabled()
+        if self._key:
+            FAST.set_enabled(False)
+
+    def __exit__(self, *exc: object) -> None:
+        if self._key:
+            FAST.set_enabled(True)
+        self._modes.__exit__(*exc)
+
+
 graph_task_id = _C._current_graph_task_id
 current_autograd_node = _C._current_autograd_node
 ACCUMULATE_GRAD: type = _C._functions.AccumulateGrad

@@ -212,11 +212,8 @@ class TensorRef(PlainTensorProtocols, ResidencyMethods, torch.Tensor):  # type: 
         raises ``DisposedTensorError``."""
         plain_backward: Any = torch.Tensor.backward
         self._check_live()
-        try:
-            if active_residency() is None:  # managed operands need the mode: keep it
-                with mode_popped("backward"):
-                    plain_backward(self, gradient, retain_graph, create_graph, inputs)
-            else:
+        try:  # managed operands need the mode: the residency manager keeps it
+            with mode_popped("backward", keep_mode=active_residency() is not None):
                 plain_backward(self, gradient, retain_graph, create_graph, inputs)
         except RuntimeError as exc:
             error = disposed_error_from_autograd(exc)
@@ -328,6 +325,13 @@ _VERSION_ERROR = re.compile(r"is at version (\d+); expected version")
 
 def disposed_error_from_autograd(exc: BaseException) -> DisposedTensorError | None:
     """The DisposedTensorError behind autograd's saved-tensor version error, if it is one."""
+    if "saved tensor that has been detached in-place" in str(exc):
+        # An input autograd saved was disposed (disposal detaches in place to free its graph).
+        return DisposedTensorError(
+            "tensorscope.scope: backward needs a tensor that autograd saved and a scope "
+            "disposed (its data was released). Run backward() inside the scope that made the "
+            "graph, or keep the tensors it needs with move_to_outer() / detach_from_scope()."
+        )
     match = _VERSION_ERROR.search(str(exc))
     if match is None or int(match.group(1)) < _POISON_BASE:
         return None

@@ -154,20 +154,21 @@ def test_compiled_outside_runs_compiled_inside_a_scope(made: str) -> None:
 
 @pytest.mark.parametrize("made", INPUT_MADE)
 def test_compiled_outside_recompiles_at_most_once_inside_a_scope(made: str) -> None:
-    """The scope itself causes no recompilation: the same plain input inside a scope reuses the
-    compiled code. An input made inside the scope is a ``TensorRef``; dynamo guards on a tensor's
-    Python type, so a new input type compiles once more (the same graph), then is cached."""
+    """Inside a scope, a function compiled outside compiles at most once more, to the same
+    graph, then runs compiled. Dynamo guards on the thread's dispatch keys (the C++ engine
+    includes one while a scope is open) and on a tensor's Python type (an input made inside
+    the scope is a ``TensorRef``): each state compiles once, then is cached."""
     backend = CountingBackend()
     model = torch.compile(small_mlp(), backend=backend)
     x = inputs()
     expected = model(x)
-    for _ in range(2):
+    for _ in range(3):
         assert torch.equal(_call(model, made, x), expected)
-    allowed = 1 if made == "input_made_outside" else 2
-    assert len(backend.graphs) == allowed, "recompiled inside the scope"
+    assert len(backend.graphs) <= 2, "recompiled more than once inside the scope"
     assert all(graph == backend.graphs[0] for graph in backend.graphs), "a different graph"
+    compiled = len(backend.graphs)
     assert torch.equal(model(x), expected)
-    assert len(backend.graphs) == allowed and backend.runs == 4
+    assert len(backend.graphs) == compiled and backend.runs == 5
 
 
 def test_compiled_inside_a_scope_runs_compiled_outside() -> None:
@@ -185,17 +186,17 @@ def test_compiled_inside_a_scope_runs_compiled_outside() -> None:
     assert all(graph == backend.graphs[0] for graph in backend.graphs), "a different graph"
 
 
-def test_compiled_inside_a_scope_recompiles_once_outside_for_the_input_type() -> None:
-    """Compiled on a ref input inside a scope, called on a plain input outside: one more
-    compilation for the new input type (dynamo guards on the Python type), the same graph."""
+def test_compiled_inside_a_scope_recompiles_at_most_once_outside() -> None:
+    """Compiled inside a scope, called outside: at most one more compilation (see above), the
+    same graph, then cached."""
     backend = CountingBackend()
     model = torch.compile(small_mlp(), backend=backend)
     with ts.scope():
         expected = M.plain_copy(model(inputs()))
-    for _ in range(2):
+    for _ in range(3):
         assert torch.equal(model(inputs()), expected)
     assert len(backend.graphs) == 2 and backend.graphs[0] == backend.graphs[1]
-    assert backend.runs == 3
+    assert backend.runs == 4
 
 
 def test_compiled_results_are_owned_by_the_scope() -> None:

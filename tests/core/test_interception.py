@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 import tensorscope as ts
+from tensorscope._engine import FAST
 from tensorscope._state import STATES
 
 
@@ -16,16 +17,22 @@ def test_no_scope_means_plain_torch() -> None:
     a = ts.ref(torch.ones(3))
     out = a + 1
     assert type(out) is torch.Tensor
-    assert torch._C._len_torch_dispatch_stack() == 0
+    assert _interceptors() == 0
 
 
-def test_the_mode_is_pushed_only_while_scopes_are_open() -> None:
-    assert torch._C._len_torch_dispatch_stack() == 0
+def _interceptors() -> int:
+    """How many tensorscope interceptors are active on this thread (the Python mode on the
+    dispatch stack, or the C++ engine's key)."""
+    return torch._C._len_torch_dispatch_stack() + bool(FAST is not None and FAST.is_enabled())
+
+
+def test_interception_is_on_only_while_scopes_are_open() -> None:
+    assert _interceptors() == 0
     with ts.scope():
-        assert torch._C._len_torch_dispatch_stack() == 1
+        assert _interceptors() == 1
         with ts.scope():
-            assert torch._C._len_torch_dispatch_stack() == 1  # one mode per thread
-    assert torch._C._len_torch_dispatch_stack() == 0
+            assert _interceptors() == 1  # one per thread
+    assert _interceptors() == 0
     # tensorscope pushes no saved-tensor hooks (torch.func refuses to run under them)
     with ts.scope():
         assert torch._C._autograd._top_saved_tensors_default_hooks(False) is None
@@ -123,7 +130,7 @@ def test_optimizer_state_is_never_owned_and_the_mode_is_restored_after_a_failing
             assert t.scope is inner
         u = torch.ones(1)
         assert u.scope is s
-    assert torch._C._len_torch_dispatch_stack() == 0
+    assert _interceptors() == 0
 
 
 def test_forward_without_backward_does_not_leak_graphs() -> None:
@@ -159,7 +166,7 @@ def test_scope_closed_from_another_thread_leaves_its_own_thread_usable() -> None
     assert type(y) is torch.Tensor
     with ts.scope():  # the next scope event of this thread cleans up
         pass
-    assert torch._C._len_torch_dispatch_stack() == 0
+    assert _interceptors() == 0
 
 
 def test_leak_warning_points_at_the_users_with_statement() -> None:

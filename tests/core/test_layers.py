@@ -17,8 +17,9 @@ PACKAGE = Path(tensorscope.__file__).parent
 
 # Lowest first. A package ("residency") is one unit here; inside it only cycles are checked.
 LAYERS: list[tuple[str, ...]] = [
-    ("errors",),  # the exception hierarchy: imports nothing
+    ("errors", "_fast"),  # the exception hierarchy; the C++ engine (csrc/fast.cpp)
     ("_units", "policies", "graph"),  # pure Python: no torch plumbing
+    ("_engine",),  # the C++ scope engine, when built
     ("_torch", "_sites"),  # typed doors to torch internals; creation sites
     ("_state", "_slot"),  # ref records and the owner contract; the residency slot
     ("_thread",),  # per-thread state

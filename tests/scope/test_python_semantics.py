@@ -927,6 +927,21 @@ def test_backward_over_an_input_disposed_by_hand_raises() -> None:
             loss.backward()
 
 
+@pytest.mark.parametrize("op", ["sin", "mul_self", "pow"])
+def test_backward_over_a_disposed_saved_input_raises(op: str) -> None:
+    """An op that saved its (non-leaf) input: backward after that input was disposed raises
+    DisposedTensorError, not autograd's "detached in-place" RuntimeError."""
+    w = torch.randn(4, requires_grad=True)
+    with ts.scope(name="outer"):
+        with ts.scope(name="fwd"):
+            h = w * 2
+            y = {"sin": h.sin, "mul_self": lambda: h * h, "pow": lambda: h.pow(2)}[op]()
+            loss = y.sum().move_to_outer()
+        assert h.is_disposed
+        with pytest.raises(ts.DisposedTensorError, match="saved"):
+            loss.backward()
+
+
 # --------------------------------------------------------------------------------------------
 # Memory release at scope exit
 # --------------------------------------------------------------------------------------------

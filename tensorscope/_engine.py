@@ -1,0 +1,39 @@
+"""Which scope engine owns op results: the C++ fallback, or the Python dispatch mode.
+
+``tensorscope._fast`` is a small C++ extension built at install time with the machine's compiler
+(``setup.py``; see ``csrc/fast.cpp``): a boxed fallback on a dispatch key that sees each
+top-level op and hands only fresh results to Python. Where it could not be built (no compiler),
+or with ``TENSORSCOPE_ENGINE=python``, scopes use the pure-Python ``TorchDispatchMode``
+(``_intercept.Interceptor``), which behaves the same at about four times the cost per op
+(docs/design.md §9). The residency manager always uses the Python mode: it must run around every
+decomposed op.
+
+Layer 1: imports only torch.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+__all__ = ["FAST", "engine_name"]
+
+
+def _load() -> Any:
+    if os.environ.get("TENSORSCOPE_ENGINE", "").lower() == "python":
+        return None
+    try:
+        import torch  # noqa: F401  (the extension links against torch's libraries)
+
+        from tensorscope import _fast  # type: ignore[attr-defined]
+    except ImportError:
+        return None
+    return _fast
+
+
+FAST: Any = _load()
+
+
+def engine_name() -> str:
+    """ "c++" or "python": which engine owns results inside scopes."""
+    return "c++" if FAST is not None else "python"
