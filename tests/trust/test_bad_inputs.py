@@ -71,9 +71,11 @@ def test_manage_of_a_module_with_a_sparse_buffer_fails_at_the_call_or_works() ->
 def test_checkpoint_loading_arguments_of_the_wrong_type_are_argument_type_errors() -> None:
     """empty_init(include_buffers=...) takes a bool and manage(checkpoint=...) a path: anything
     else raises ArgumentTypeError at the call, and the module stays unmanaged."""
-    with pytest.raises(ts.ArgumentTypeError, match=r"tensorscope\.residency.*bool"):
-        with ts.empty_init(include_buffers="yes"):  # type: ignore[arg-type]
-            pass
+    with (
+        pytest.raises(ts.ArgumentTypeError, match=r"tensorscope\.residency.*bool"),
+        ts.empty_init(include_buffers="yes"),  # type: ignore[arg-type]
+    ):
+        pass
     model = nn.Linear(2, 2)
     with pytest.raises(ts.ArgumentTypeError, match=r"tensorscope\.residency.*path"):
         ts.manage(model, checkpoint=5)  # type: ignore[arg-type]
