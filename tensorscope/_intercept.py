@@ -30,6 +30,7 @@
 from __future__ import annotations
 
 import functools
+from types import CodeType
 from typing import Any
 
 import torch
@@ -37,7 +38,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from tensorscope import _keepers, _optimizer
 from tensorscope._engine import FAST
-from tensorscope._sites import NOT_OWNED, capture_site, user_site
+from tensorscope._sites import NOT_OWNED, Site, capture_site, site_verdicts, user_site
 from tensorscope._slot import ACTIVE
 from tensorscope._state import STATES, Counters, Owner, RefState, on_ref_death, register_ref
 from tensorscope._thread import CURRENT_SCOPE, ThreadState, thread_state
@@ -113,16 +114,27 @@ def adopt(
     counters: Counters,
     _capture: Any = capture_site,
     _not_owned: Any = NOT_OWNED,
-    _new: Any = RefState,
-    _on_death: Any = on_ref_death,
-    _states: dict[int, RefState] = STATES,
 ) -> bool:
-    """Make a fresh op result a ref owned by ``owner``; False when a state maker made it.
-
-    The hot path: ``register_ref`` inlined (default arguments bind the globals)."""
+    """Make a fresh op result a ref owned by ``owner``; False when a state maker made it."""
     site = _capture(2)
     if site is _not_owned:
         return False
+    adopt_at(tensor, owner, counters, site)
+    return True
+
+
+def adopt_at(
+    tensor: torch.Tensor,
+    owner: Owner,
+    counters: Counters,
+    site: Site,
+    _new: Any = RefState,
+    _on_death: Any = on_ref_death,
+    _states: dict[int, RefState] = STATES,
+) -> None:
+    """Make a fresh op result made at ``site`` a ref owned by ``owner``.
+
+    The hot path: ``register_ref`` inlined (default arguments bind the globals)."""
     tensor.__class__ = TensorRef
     state = _new(tensor, _on_death)
     key = id(tensor)
@@ -135,7 +147,6 @@ def adopt(
     _states[key] = state
     owner._owned[key] = state
     counters.created_in_scope += 1
-    return True
 
 
 def _is_input(out: object, args: tuple[Any, ...], kwargs: dict[str, Any] | None) -> bool:
@@ -278,12 +289,16 @@ class Interceptor(TorchDispatchMode):  # type: ignore[no-untyped-call]
 
 def adopt_result(
     tensor: torch.Tensor,
+    code: CodeType | None,
+    lasti: int,
     _state: Any = thread_state,
     _current: Any = CURRENT_SCOPE.get,
     _task: Any = graph_task_id,
 ) -> None:
     """The C++ engine's hook: a fresh plain result of a top-level op on a thread with a scope
-    open (csrc/fast.cpp). The same rules as the Python mode (see _thread.py's table)."""
+    open (csrc/fast.cpp), with the site of the user frame that called the op (``code`` None:
+    no user frame; ``lasti`` -1: a state maker called it). The same rules as the Python mode
+    (see _thread.py's table)."""
     state = _state()
     if state.pending:
         release_pending(state)
@@ -294,15 +309,19 @@ def adopt_result(
         scope = scope.resolve()
         if scope is None:
             return
+    site: Site = None if code is None else (code, lasti)
     if _task() != -1:  # inside autograd's engine: a .grad goes to its leaf's owner, or nobody
         leaf = accumulate_grad_leaf()
         if leaf is not None:
             owner = grad_owner_for(leaf)
             if owner is not None:
                 tensor.__class__ = TensorRef
-                mark_grad_of(register_ref(tensor, owner, user_site(2), state.counters), leaf)
+                if lasti < 0:  # a grad is owned whoever called backward: the user frame
+                    site = user_site(1)
+                mark_grad_of(register_ref(tensor, owner, site, state.counters), leaf)
             return
-    adopt(tensor, scope, state.counters)
+    if lasti >= 0:
+        adopt_at(tensor, scope, state.counters, site)
 
 
 # ---------------------------------------------------------------------------- global hooks
@@ -324,7 +343,7 @@ def _install_global_hooks() -> None:
     _skip_our_frames_in_dynamo()
     _refs_are_plain_for_tracing()
     if FAST is not None:
-        FAST.set_hook(adopt_result)
+        FAST.set_hook(adopt_result, *site_verdicts())
 
 
 def _skip_our_frames_in_dynamo() -> None:
@@ -348,6 +367,7 @@ def _skip_our_frames_in_dynamo() -> None:
         register_ref,
         release_pending,
         adopt_result,
+        adopt_at,
     ):
         frames.set_code_exec_strategy(function.__code__, skip)
 

@@ -34,6 +34,7 @@ __all__ = [
     "format_site",
     "mark_state_maker",
     "site_file_line",
+    "site_verdicts",
     "user_site",
 ]
 
@@ -106,6 +107,11 @@ def _classify(code: CodeType) -> int:
         verdict = _USER
     _verdicts[code] = verdict
     return verdict
+
+
+def site_verdicts() -> tuple[dict[CodeType, int], Any]:
+    """The verdict cache and the classifier, for the C++ engine's own walk (csrc/fast.cpp)."""
+    return _verdicts, _classify
 
 
 def capture_site(skip: int = 1) -> Site | NotOwned:
