@@ -343,7 +343,9 @@ def _install_global_hooks() -> None:
     _skip_our_frames_in_dynamo()
     _refs_are_plain_for_tracing()
     if FAST is not None:
-        FAST.set_hook(adopt_result, *site_verdicts())
+        # The engine does adopt_at's work itself in the common case (csrc/fast.cpp).
+        adoption = (TensorRef, RefState, Counters, on_ref_death, STATES, CURRENT_SCOPE)
+        FAST.set_hook(adopt_result, *site_verdicts(), adoption)
 
 
 def _skip_our_frames_in_dynamo() -> None:

@@ -26,6 +26,8 @@ from typing import Any, Final, TypeAlias
 
 import torch
 
+from tensorscope._engine import FAST
+
 __all__ = [
     "NOT_OWNED",
     "NotOwned",
@@ -87,12 +89,19 @@ def _state_maker_codes() -> set[CodeType]:
     return codes
 
 
+# Every code object classified so far, with its verdict; it keeps them alive, so their ids stay
+# theirs. ``_by_id`` is what the walk reads: hashing a code object hashes its constants, names
+# and bytecode every time (CPython does not cache it), an id costs nothing.
 _verdicts: dict[CodeType, int] = dict.fromkeys(_state_maker_codes(), _STATE_MAKER)
+_by_id: dict[int, int] = {id(code): verdict for code, verdict in _verdicts.items()}
 
 
 def mark_state_maker(function: Any) -> None:
     """Add a function of tensorscope's own to the state makers (see the NOTE above)."""
-    _verdicts[function.__code__] = _STATE_MAKER
+    code = function.__code__
+    _verdicts[code] = _by_id[id(code)] = _STATE_MAKER
+    if FAST is not None:
+        FAST.forget_verdicts()
 
 
 def _classify(code: CodeType) -> int:
@@ -105,7 +114,7 @@ def _classify(code: CodeType) -> int:
         verdict = _LIBRARY
     else:
         verdict = _USER
-    _verdicts[code] = verdict
+    _verdicts[code] = _by_id[id(code)] = verdict
     return verdict
 
 
@@ -118,10 +127,10 @@ def capture_site(skip: int = 1) -> Site | NotOwned:
     """The innermost user frame's site, skipping ``skip`` frames; ``NOT_OWNED`` when a state
     maker (see the NOTE above) called the op."""
     frame: FrameType | None = sys._getframe(skip + 1)
-    lookup = _verdicts.get
+    lookup = _by_id.get
     while frame is not None:
         code = frame.f_code
-        verdict = lookup(code)
+        verdict = lookup(id(code))
         if verdict is None:
             verdict = _classify(code)
         if verdict == _USER:

@@ -141,6 +141,8 @@ class ThreadState:
             self.pushed = False
         key = self._key_wanted()
         if key != self.key_on:
+            if key:
+                FAST.bind_thread(self)  # the engine reads this thread's state (csrc/fast.cpp)
             FAST.set_enabled(key)
             self.key_on = key
 

@@ -1,18 +1,22 @@
-// tensorscope._fast: the scope engine in C++ (see tensorscope/_engine.py and docs/design.md §1).
+// tensorscope._fast: the scope engine in C++ (see tensorscope/_engine.py and docs/design.md §9).
 //
 // While a scope is open on a thread, the DeferredInit dispatch key is in that thread's included
 // key set, and this boxed fallback runs around every *top-level* op: DeferredInit sits above
 // Autograd and Autocast, so it sees the op the user called (``linear``), not its decomposition,
-// and the ops that op runs inside are dispatched with the key excluded. For each result that is
-// a fresh plain tensor, it calls the Python hook (``_intercept.adopt_result``), which decides
-// ownership and makes the result a TensorRef. Everything else stays in C++: an op whose results
-// are all inputs (in-place ops, no-op conversions) or wrapped/subclass tensors costs no Python.
+// and the ops that op runs inside are dispatched with the key excluded. An op whose results are
+// all inputs (in-place ops, no-op conversions) or wrapped/subclass tensors costs no Python.
+// For the fresh plain results of the others, it finds the creation site (the innermost user
+// frame, as _sites.capture_site does) and, in the common case, makes each result a TensorRef
+// owned by the current scope exactly as _intercept.adopt_at() does (adopt_in_c). The cases with
+// more rules go to the Python hook (_intercept.adopt_result): gradients made inside autograd's
+// engine, memory left to release after a cross-thread close, a closed current scope.
 //
 // DeferredInit is a key PyTorch reserves for out-of-tree deferred initialisation (torchdistx);
 // tensorscope registers a fallback only there and only includes the key while scopes are open.
 
 #include <Python.h>
 #include <frameobject.h>
+#include <structmember.h>  // PyMember_GetOne / PyMember_SetOne
 #if PY_VERSION_HEX >= 0x030B0000 && PY_VERSION_HEX < 0x030C0000
 #define Py_BUILD_CORE 1
 #include <internal/pycore_frame.h>  // _PyInterpreterFrame: see user_site()
@@ -24,7 +28,10 @@
 #include <c10/core/DispatchKeySet.h>
 #include <c10/core/impl/LocalDispatchKeySet.h>
 #include <c10/util/SmallVector.h>
+
+#include <unordered_map>
 #include <torch/csrc/Exceptions.h>
+#include <torch/csrc/autograd/graph_task.h>
 #include <torch/csrc/autograd/python_variable.h>
 #include <torch/library.h>
 
@@ -88,17 +95,141 @@ bool is_fresh(const at::Tensor& t, const c10::SmallVector<const c10::TensorImpl*
   throw error;
 }
 
-long verdict_of(PyObject* code) {
-  PyObject* known = PyDict_GetItemWithError(g_verdicts, code);  // borrowed
-  if (known == nullptr) {
-    if (PyErr_Occurred()) throw_python_error();
-    PyObject* computed = PyObject_CallOneArg(g_classify, code);
-    if (computed == nullptr) throw_python_error();
-    const long verdict = PyLong_AsLong(computed);
-    Py_DECREF(computed);
-    return verdict;
+PyObject* checked(PyObject* object) {
+  if (object == nullptr) throw_python_error();
+  return object;
+}
+
+// An owned reference, released at the end of its block (exceptions included).
+class Ref {
+ public:
+  explicit Ref(PyObject* object = nullptr) : object_(object) {}
+  ~Ref() { Py_XDECREF(object_); }
+  Ref(const Ref&) = delete;
+  Ref& operator=(const Ref&) = delete;
+  PyObject* get() const { return object_; }
+
+ private:
+  PyObject* object_;
+};
+
+// What the common case of adopt_result needs, given by set_hook (strong references).
+struct Adoption {
+  PyObject* ref_class = nullptr;      // TensorRef
+  PyObject* state_class = nullptr;    // RefState (a weakref.ref subclass)
+  PyObject* on_death = nullptr;       // its callback, on_ref_death
+  PyObject* states = nullptr;         // STATES: id(tensor) -> RefState
+  PyObject* current_scope = nullptr;  // the CURRENT_SCOPE ContextVar
+} g_adoption;
+
+// The slots of RefState and Counters, written through their member descriptors (what
+// ``state.key = ...`` ends in, without looking the name up in the class each time).
+struct Slots {
+  PyMemberDef* key = nullptr;
+  PyMemberDef* owner = nullptr;
+  PyMemberDef* site = nullptr;
+  PyMemberDef* counters = nullptr;
+  PyMemberDef* disposal = nullptr;
+  PyMemberDef* grad_of = nullptr;
+  PyMemberDef* created = nullptr;  // Counters.created_in_scope
+} g_slots;
+
+PyMemberDef* slot_of(PyObject* cls, const char* name) {
+  if (!PyType_Check(cls)) {
+    PyErr_Format(PyExc_TypeError, "expected a class with a slot %s", name);
+    return nullptr;
   }
-  return PyLong_AsLong(known);
+  PyObject* descriptor = _PyType_Lookup(reinterpret_cast<PyTypeObject*>(cls),
+                                        Ref(PyUnicode_FromString(name)).get());  // borrowed
+  if (descriptor == nullptr || Py_TYPE(descriptor) != &PyMemberDescr_Type) {
+    PyErr_Format(PyExc_TypeError, "%R has no slot %s", cls, name);
+    return nullptr;
+  }
+  return reinterpret_cast<PyMemberDescrObject*>(descriptor)->d_member;
+}
+
+void set_slot(PyObject* object, PyMemberDef* slot, PyObject* value) {
+  if (PyMember_SetOne(reinterpret_cast<char*>(object), slot, value) < 0) throw_python_error();
+}
+
+// Site tuples (code, lasti), made once per place in the code: code objects with a verdict stay
+// alive (see g_verdict_cache), so the key's address is theirs.
+struct SiteKey {
+  const PyObject* code;
+  int lasti;
+  bool operator==(const SiteKey& other) const {
+    return code == other.code && lasti == other.lasti;
+  }
+};
+struct SiteKeyHash {
+  size_t operator()(const SiteKey& key) const {
+    return std::hash<const void*>()(key.code) ^ (static_cast<size_t>(key.lasti) << 20);
+  }
+};
+std::unordered_map<SiteKey, PyObject*, SiteKeyHash> g_site_tuples;  // strong references
+
+PyObject* site_tuple(PyObject* code, int lasti) {  // borrowed
+  if (code == nullptr) return Py_None;
+  const SiteKey key{code, lasti};
+  const auto found = g_site_tuples.find(key);
+  if (found != g_site_tuples.end()) return found->second;
+  Ref offset(checked(PyLong_FromLong(lasti)));
+  PyObject* site = checked(PyTuple_Pack(2, code, offset.get()));
+  g_site_tuples.emplace(key, site);
+  return site;
+}
+
+// This thread's ThreadState (borrowed: it lives as long as the thread; bind_thread).
+thread_local PyObject* tl_thread_state = nullptr;
+
+// Attribute names read per op (interned once), and the integer 1.
+struct Names {
+  PyObject* pending;   // ThreadState.pending
+  PyObject* counters;  // ThreadState.counters
+  PyObject* closed;    // DisposeScope._closed
+  PyObject* owned;     // DisposeScope._owned
+  PyObject* klass;     // __class__
+  PyObject* one;
+} g_names;
+
+bool make_names() {
+  g_names = {PyUnicode_InternFromString("pending"), PyUnicode_InternFromString("counters"),
+             PyUnicode_InternFromString("_closed"), PyUnicode_InternFromString("_owned"),
+             PyUnicode_InternFromString("__class__"), PyLong_FromLong(1)};
+  return !PyErr_Occurred();
+}
+
+bool attribute_is_true(PyObject* object, PyObject* name) {
+  Ref value(checked(PyObject_GetAttr(object, name)));
+  const int truth = PyObject_IsTrue(value.get());
+  if (truth < 0) throw_python_error();
+  return truth != 0;
+}
+
+void set_attribute(PyObject* object, PyObject* name, PyObject* value) {
+  if (PyObject_SetAttr(object, name, value) < 0) throw_python_error();
+}
+
+// Verdicts by code object address. Hashing a code object hashes its constants, names and
+// bytecode (CPython does not cache it): per frame walked, that was most of a walk's cost. Every
+// code object with a verdict stays alive in _sites._verdicts, so an address is never reused.
+std::unordered_map<const PyObject*, long> g_verdict_cache;
+
+long verdict_of(PyObject* code) {
+  const auto cached = g_verdict_cache.find(code);
+  if (cached != g_verdict_cache.end()) return cached->second;
+  long verdict;
+  PyObject* known = PyDict_GetItemWithError(g_verdicts, code);  // borrowed
+  if (known != nullptr) {
+    verdict = PyLong_AsLong(known);
+  } else {
+    if (PyErr_Occurred()) throw_python_error();
+    Ref computed(checked(PyObject_CallOneArg(g_classify, code)));  // also kept in _verdicts
+    verdict = PyLong_AsLong(computed.get());
+  }
+  if (verdict == -1 && PyErr_Occurred()) throw_python_error();
+  g_verdict_cache.emplace(code, verdict);
+  return verdict;
 }
 
 // Where user code made the op's results (_sites.capture_site, in C): the innermost user frame's
@@ -185,16 +316,50 @@ void give_to_hook(const at::Tensor& t, PyObject* code, int lasti) {
   Py_DECREF(result);
 }
 
+// The common case of _intercept.adopt_result, in C: each fresh result becomes a TensorRef owned
+// by the current scope, registered exactly as adopt_at() does. Returns false, having changed
+// nothing, where the Python hook must decide: inside autograd's engine (a .grad's owner), with
+// memory left to release for a cross-thread close, or with the current scope closed.
+bool adopt_in_c(const c10::SmallVector<at::Tensor, 4>& fresh, PyObject* code, int lasti) {
+  PyObject* thread = tl_thread_state;
+  if (g_adoption.ref_class == nullptr || thread == nullptr) return false;
+  if (torch::autograd::get_current_graph_task_id() != -1) return false;
+  if (attribute_is_true(thread, g_names.pending)) return false;
+  PyObject* current = nullptr;
+  if (PyContextVar_Get(g_adoption.current_scope, Py_None, &current) < 0) throw_python_error();
+  Ref scope(current);
+  if (scope.get() == Py_None || lasti < 0) return true;  // no scope here; a state maker's
+  if (attribute_is_true(scope.get(), g_names.closed)) return false;
+  Ref owned(checked(PyObject_GetAttr(scope.get(), g_names.owned)));
+  Ref counters(checked(PyObject_GetAttr(thread, g_names.counters)));
+  PyObject* site = site_tuple(code, lasti);
+  for (const at::Tensor& t : fresh) {
+    Ref tensor(checked(THPVariable_Wrap(t)));
+    if (Py_TYPE(tensor.get()) != reinterpret_cast<PyTypeObject*>(THPVariableClass)) continue;
+    set_attribute(tensor.get(), g_names.klass, g_adoption.ref_class);
+    PyObject* args[] = {tensor.get(), g_adoption.on_death};
+    Ref state(checked(PyObject_Vectorcall(g_adoption.state_class, args, 2, nullptr)));
+    Ref key(checked(PyLong_FromVoidPtr(tensor.get())));  // id(tensor)
+    set_slot(state.get(), g_slots.key, key.get());
+    set_slot(state.get(), g_slots.owner, scope.get());
+    set_slot(state.get(), g_slots.site, site);
+    set_slot(state.get(), g_slots.counters, counters.get());
+    set_slot(state.get(), g_slots.disposal, Py_None);
+    set_slot(state.get(), g_slots.grad_of, Py_None);
+    if (PyDict_SetItem(g_adoption.states, key.get(), state.get()) < 0) throw_python_error();
+    if (PyDict_SetItem(owned.get(), key.get(), state.get()) < 0) throw_python_error();
+    Ref created(checked(PyMember_GetOne(reinterpret_cast<char*>(counters.get()), g_slots.created)));
+    Ref more(checked(PyNumber_Add(created.get(), g_names.one)));
+    set_slot(counters.get(), g_slots.created, more.get());
+  }
+  return true;
+}
+
 void give_all_to_hook(const c10::SmallVector<at::Tensor, 4>& fresh) {
   int lasti = 0;
-  PyObject* code = user_site(&lasti);
-  try {
-    for (const at::Tensor& t : fresh) give_to_hook(t, code, lasti);
-  } catch (...) {
-    Py_XDECREF(code);
-    throw;
-  }
-  Py_XDECREF(code);
+  Ref code(user_site(&lasti));
+  if (adopt_in_c(fresh, code.get(), lasti)) return;
+  for (const at::Tensor& t : fresh) give_to_hook(t, code.get(), lasti);
 }
 
 void fallback(const c10::OperatorHandle& op, c10::DispatchKeySet keys, torch::jit::Stack* stack) {
@@ -258,23 +423,64 @@ void replace(PyObject** slot, PyObject* value) {
   Py_XDECREF(old);
 }
 
-// set_hook(hook, verdicts, classify), or set_hook(None): see the globals above.
+// set_hook(hook, verdicts, classify, adoption=None), or set_hook(None): see the globals above;
+// adoption = (TensorRef, RefState, Counters, on_ref_death, STATES, CURRENT_SCOPE) turns on
+// adopt_in_c.
 PyObject* set_hook(PyObject*, PyObject* args) {
   PyObject* hook = nullptr;
   PyObject* verdicts = Py_None;
   PyObject* classify = Py_None;
-  if (!PyArg_ParseTuple(args, "O|OO", &hook, &verdicts, &classify)) return nullptr;
+  PyObject* adoption = Py_None;
+  if (!PyArg_ParseTuple(args, "O|OOO", &hook, &verdicts, &classify, &adoption)) return nullptr;
+  Adoption parts;
+  PyObject* counters_class = nullptr;
+  if (adoption != Py_None &&
+      !PyArg_ParseTuple(adoption, "OOOOO!O!", &parts.ref_class, &parts.state_class,
+                        &counters_class, &parts.on_death, &PyDict_Type, &parts.states,
+                        &PyContextVar_Type, &parts.current_scope)) {
+    return nullptr;
+  }
   if (hook == Py_None) {
     replace(&g_hook, nullptr);
     Py_RETURN_NONE;
   }
   if (!PyCallable_Check(hook) || !PyDict_Check(verdicts) || !PyCallable_Check(classify)) {
-    PyErr_SetString(PyExc_TypeError, "set_hook(hook, verdicts: dict, classify) or set_hook(None)");
+    PyErr_SetString(PyExc_TypeError,
+                    "set_hook(hook, verdicts: dict, classify, adoption=None) or set_hook(None)");
     return nullptr;
   }
+  Slots slots;
+  if (adoption != Py_None) {
+    if (!(slots.key = slot_of(parts.state_class, "key")) ||
+        !(slots.owner = slot_of(parts.state_class, "owner")) ||
+        !(slots.site = slot_of(parts.state_class, "site")) ||
+        !(slots.counters = slot_of(parts.state_class, "counters")) ||
+        !(slots.disposal = slot_of(parts.state_class, "disposal")) ||
+        !(slots.grad_of = slot_of(parts.state_class, "grad_of")) ||
+        !(slots.created = slot_of(counters_class, "created_in_scope"))) {
+      return nullptr;
+    }
+  }
+  g_slots = slots;
   replace(&g_verdicts, verdicts);
   replace(&g_classify, classify);
+  g_verdict_cache.clear();
   replace(&g_hook, hook);
+  replace(&g_adoption.ref_class, parts.ref_class);
+  replace(&g_adoption.state_class, parts.state_class);
+  replace(&g_adoption.on_death, parts.on_death);
+  replace(&g_adoption.states, parts.states);
+  replace(&g_adoption.current_scope, parts.current_scope);
+  Py_RETURN_NONE;
+}
+
+PyObject* forget_verdicts(PyObject*, PyObject*) {
+  g_verdict_cache.clear();
+  Py_RETURN_NONE;
+}
+
+PyObject* bind_thread(PyObject*, PyObject* state) {
+  tl_thread_state = state == Py_None ? nullptr : state;
   Py_RETURN_NONE;
 }
 
@@ -282,7 +488,12 @@ PyMethodDef methods[] = {
     {"set_enabled", set_enabled, METH_O, "Include (True) or exclude the key on this thread."},
     {"is_enabled", is_enabled, METH_NOARGS, "Whether the key is included on this thread."},
     {"set_hook", set_hook, METH_VARARGS,
-     "set_hook(hook, verdicts, classify): hook(tensor, code, lasti) gets each fresh result."},
+     "set_hook(hook, verdicts, classify, adoption=None): hook(tensor, code, lasti) gets each "
+     "fresh result the C adoption leaves to Python."},
+    {"forget_verdicts", forget_verdicts, METH_NOARGS,
+     "Drop the cached verdicts (a code object's verdict changed: _sites.mark_state_maker)."},
+    {"bind_thread", bind_thread, METH_O,
+     "This thread's ThreadState (borrowed: it must live as long as the thread), or None."},
     {nullptr, nullptr, 0, nullptr},
 };
 
@@ -295,4 +506,7 @@ TORCH_LIBRARY_IMPL(_, DeferredInit, m) {
   m.fallback(torch::CppFunction::makeFromBoxedFunction<&fallback>());
 }
 
-PyMODINIT_FUNC PyInit__fast() { return PyModule_Create(&module); }
+PyMODINIT_FUNC PyInit__fast() {
+  if (!make_names()) return nullptr;
+  return PyModule_Create(&module);
+}
