@@ -1,6 +1,6 @@
 """Spike benchmark: per-op cost of the interception options below the Python-mode floor.
 
-Variants (all in one process, interleaved; see README.md):
+Variants (all in one process, interleaved; results and decision: docs/design.md §9):
   plain         no interception
   pymode        an empty Python TorchDispatchMode (``func._op``, ``_should_skip_dynamo`` False)
   ts.scope      today's ``ts.scope()``

@@ -19,7 +19,7 @@
 //   4 CALLBACK   (b') take the GIL and call a Python callable(tensor) per fresh result (what
 //                    keeping today's Python RefState bookkeeping per tensor would cost)
 //
-// Not handled here (see README): ops run by the autograd engine are passed through (the
+// Not handled here (see docs/design.md §9): ops run by the autograd engine are passed through (the
 // current graph task id is checked); results that carry the Python key (FakeTensor and other
 // __torch_dispatch__ subclasses) are never recorded.
 
