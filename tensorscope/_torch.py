@@ -28,11 +28,13 @@ __all__ = [
     "plain_repr",
     "pop_mode",
     "push_mode",
-    "set_versions",
+    "jit_optimize",
+    "poison_versions",
     "storage_address",
     "storage_use_count",
     "swap_data_ptr",
     "tensor_over",
+    "tracing",
 ]
 
 _C: Any = torch._C
@@ -95,9 +97,47 @@ def swap_data_ptr(storage: torch.UntypedStorage, other: torch.UntypedStorage) ->
     swap(other)
 
 
-def set_versions(tensors: Sequence[torch.Tensor], versions: Sequence[int]) -> None:
-    """Set autograd version counters (shared by a tensor and its views and saved copies)."""
-    _set_version_counter(tensors, versions)
+def jit_optimize(enabled: bool) -> bool:
+    """Turn TorchScript's graph optimisation on or off on this thread; the previous setting."""
+    previous = bool(_C._get_graph_executor_optimize())
+    _C._set_graph_executor_optimize(enabled)
+    return previous
+
+
+def tracing() -> bool:
+    """Whether ``torch.jit.trace`` is recording on this thread."""
+    return _C._get_tracing_state() is not None
+
+
+def poison_versions(tensors: Sequence[torch.Tensor], versions: Sequence[int]) -> list[bool]:
+    """Set the version counters of tensors disposed together to poison values without changing
+    the counter of a live alias; which were poisoned.
+
+    A version counter is shared by a tensor, its views, its ``detach()`` aliases and autograd's
+    saved copies of it, and all of them share its storage. Where every holder of the storage is
+    in ``tensors``, the shared counter is set. Where a tensor not disposed with them also holds
+    it, the C++ engine gives the disposed tensor a new poisoned counter of its own; without the
+    engine it is left unpoisoned (Python cannot give a tensor a new counter)."""
+    holders: dict[int, int] = {}
+    addresses = [_storage_of(tensor) for tensor in tensors]
+    for address in addresses:
+        if address:
+            holders[address] = holders.get(address, 0) + 1
+    alone = [not a or storage_use_count(a) <= holders[a] for a in addresses]
+    if FAST is not None:
+        FAST.poison(tensors, versions, alone)
+        return [True] * len(tensors)
+    chosen = [(t, v) for t, v, ok in zip(tensors, versions, alone, strict=True) if ok]
+    if chosen:
+        _set_version_counter([t for t, _ in chosen], [v for _, v in chosen])
+    return alone
+
+
+def _storage_of(tensor: torch.Tensor) -> int:
+    """The StorageImpl address of a strided tensor with memory, else 0."""
+    if tensor.layout is not torch.strided or tensor.device.type == "meta":
+        return 0
+    return storage_address(tensor)
 
 
 def tensor_over(

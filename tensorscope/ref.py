@@ -17,7 +17,11 @@
 # it, and leaves a valid 0-element tensor: C++ code that still reaches it gets a shape error,
 # never a dangling pointer. ``storage.resize_(0)`` would free the bytes of every alias at once,
 # including Parameters and views that must stay valid, and leaves tensors whose reads segfault.
-# Views are not poisoned: they share their base's counter, which must stay valid.
+# The counter is shared by a tensor, its views, its ``detach()`` aliases and autograd's saved
+# copies, so a live alias must never see it change: views are not poisoned, and a tensor whose
+# storage is also held by a tensor disposed later (a view moved out of the scope, the ``h`` of a
+# ``d = h.detach()`` disposed in a nested scope) gets a poisoned counter of its own instead
+# (C++ engine) or none (Python engine) (``_torch.poison_versions``).
 # Step 4 runs on the thread that owns the scope (see _thread.py's NOTE on cross-thread close).
 
 Layer 3: imports only layers 0-2.
@@ -52,7 +56,7 @@ from tensorscope._thread import CURRENT_SCOPE, ThreadState, mode_popped, thread_
 from tensorscope._torch import (
     no_dispatch,
     no_subclass_function,
-    set_versions,
+    poison_versions,
     storage_address,
 )
 from tensorscope.errors import ArgumentTypeError, DisposedTensorError, ResidencyError, ScopeError
@@ -357,6 +361,7 @@ def dispose_states(states: Iterable[RefState], reason: str, owner_thread: Any = 
     keys: list[int] = []
     poisoned: list[torch.Tensor] = []
     versions: list[int] = []
+    sites: list[tuple[Disposal, Site]] = []
     for state in states:
         tensor = state()
         if tensor is None or state.disposal is not None:
@@ -375,16 +380,18 @@ def dispose_states(states: Iterable[RefState], reason: str, owner_thread: Any = 
         if tensor.layout is torch.strided and tensor.device.type != "meta":
             keys.append(storage_address(tensor))
         if not tensor._is_view() and not tensor.is_inference():
-            version = _POISON_BASE + _next_poison[0] % _POISON_SPAN
-            _next_poison[0] += 1
-            _recent[version] = (disposal, state.site)
             poisoned.append(tensor)
-            versions.append(version)
+            versions.append(_POISON_BASE + _next_poison[0] % _POISON_SPAN)
+            sites.append((disposal, state.site))
+            _next_poison[0] += 1
         tensor.__class__ = DisposedTensor
         batch.append(tensor)
     if poisoned:
         with no_subclass_function():
-            set_versions(poisoned, versions)
+            done = poison_versions(poisoned, versions)
+        for version, record, ok in zip(versions, sites, done, strict=True):
+            if ok:
+                _recent[version] = record
         while len(_recent) > _RECENT_LIMIT:
             _recent.popitem(last=False)
     if not batch:
@@ -461,7 +468,7 @@ def _empty_like(tensor: torch.Tensor) -> torch.Tensor:
 def _release(tensor: torch.Tensor) -> None:
     """Drop this TensorImpl's hold on its storage and, when possible, on its autograd graph."""
     with no_dispatch(), no_subclass_function():
-        if tensor.grad_fn is not None and not tensor._is_view():
+        if not tensor._is_view() and tensor.grad_fn is not None:
             # A disposed output kept in a stray list would otherwise keep its whole graph
             # (and the activations saved in it) alive. Views cannot be detached in place.
             tensor.detach_()

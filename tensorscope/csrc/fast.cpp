@@ -33,6 +33,8 @@
 #include <torch/csrc/Exceptions.h>
 #include <torch/csrc/autograd/graph_task.h>
 #include <torch/csrc/autograd/python_variable.h>
+#include <torch/csrc/autograd/variable.h>
+#include <torch/csrc/jit/frontend/tracer.h>
 #include <torch/library.h>
 
 namespace {
@@ -390,6 +392,8 @@ void fallback(const c10::OperatorHandle& op, c10::DispatchKeySet keys, torch::ji
     }
   }
   if (fresh.empty()) return;
+  // torch.jit.trace keeps what it records as constants of the trace: never owned.
+  if (torch::jit::tracer::isTracing()) return;
   // C functions of torch that hold the GIL while they make a subclass from a detached alias
   // (nn.Parameter's _make_subclass, as_subclass) must get a tensor without a Python object.
   if ((is_named(op, "aten::detach") || is_named(op, "aten::alias")) && PyGILState_Check()) {
@@ -474,6 +478,49 @@ PyObject* set_hook(PyObject*, PyObject* args) {
   Py_RETURN_NONE;
 }
 
+// poison(tensors, versions, alone): set each disposed tensor's autograd version counter to its
+// poison value (see ref.py's NOTE on disposal and _torch.poison_versions). alone[i]: no tensor
+// outside the batch holds its storage, so none shares its counter: the shared counter is set.
+// Otherwise the tensor gets a new poisoned counter of its own, and live aliases (a view moved
+// out of the scope, the h of d = h.detach()) keep theirs.
+PyObject* poison(PyObject*, PyObject* args) {
+  PyObject* tensors = nullptr;
+  PyObject* versions = nullptr;
+  PyObject* alone = nullptr;
+  if (!PyArg_ParseTuple(args, "OOO", &tensors, &versions, &alone)) return nullptr;
+  HANDLE_TH_ERRORS
+  Ref tensor_items(checked(PySequence_Fast(tensors, "poison() takes a sequence of tensors")));
+  Ref version_items(checked(PySequence_Fast(versions, "poison() takes a sequence of ints")));
+  Ref alone_items(checked(PySequence_Fast(alone, "poison() takes a sequence of bools")));
+  const Py_ssize_t count = PySequence_Fast_GET_SIZE(tensor_items.get());
+  if (PySequence_Fast_GET_SIZE(version_items.get()) != count ||
+      PySequence_Fast_GET_SIZE(alone_items.get()) != count) {
+    PyErr_SetString(PyExc_ValueError, "poison(): as many versions and flags as tensors");
+    return nullptr;
+  }
+  for (Py_ssize_t i = 0; i < count; ++i) {
+    PyObject* item = PySequence_Fast_GET_ITEM(tensor_items.get(), i);
+    if (!THPVariable_Check(item)) {
+      PyErr_SetString(PyExc_TypeError, "poison() takes tensors");
+      return nullptr;
+    }
+    const long long version = PyLong_AsLongLong(PySequence_Fast_GET_ITEM(version_items.get(), i));
+    if (version == -1 && PyErr_Occurred()) return nullptr;
+    const int shared_counter_only_here = PyObject_IsTrue(PySequence_Fast_GET_ITEM(alone_items.get(), i));
+    if (shared_counter_only_here < 0) return nullptr;
+    const at::Tensor& tensor = THPVariable_Unpack(item);
+    if (shared_counter_only_here) {
+      auto counter = torch::autograd::impl::version_counter(tensor);
+      counter.set_version(version);
+    } else {
+      torch::autograd::impl::set_version_counter(
+          tensor, c10::VariableVersion(static_cast<uint32_t>(version)));
+    }
+  }
+  Py_RETURN_NONE;
+  END_HANDLE_TH_ERRORS
+}
+
 PyObject* forget_verdicts(PyObject*, PyObject*) {
   g_verdict_cache.clear();
   Py_RETURN_NONE;
@@ -490,6 +537,9 @@ PyMethodDef methods[] = {
     {"set_hook", set_hook, METH_VARARGS,
      "set_hook(hook, verdicts, classify, adoption=None): hook(tensor, code, lasti) gets each "
      "fresh result the C adoption leaves to Python."},
+    {"poison", poison, METH_VARARGS,
+     "poison(tensors, versions, alone): the disposed tensors' version counters (their own "
+     "where a tensor outside the batch holds their storage)."},
     {"forget_verdicts", forget_verdicts, METH_NOARGS,
      "Drop the cached verdicts (a code object's verdict changed: _sites.mark_state_maker)."},
     {"bind_thread", bind_thread, METH_O,

@@ -123,3 +123,22 @@ def test_tensor_made_under_inference_mode_then_used_under_no_grad_in_a_scope() -
         assert torch.equal(made.to(torch.float32).sum(0), torch.tensor([3.0, 5.0, 7.0]))
     M.assert_alive(made, "the inference tensor")
     assert made.sum().item() == 15.0
+
+
+@functools.cache
+def _plain_logits_with_grad(name: str) -> torch.Tensor:
+    model = M.build(name).eval()
+    return model(**_inputs(name)).logits.detach().clone()
+
+
+@pytest.mark.parametrize("name", M.HF_MODELS)
+def test_a_forward_with_grad_on_in_a_scope_closes_cleanly(name: str) -> None:
+    """An evaluation loop that forgot ``no_grad``: the graph (with GPT-2's ``split`` views of
+    one base) is disposed with the scope, which closes without error; the logits equal plain
+    and the next forward too."""
+    model = M.build(name).eval()
+    for _ in range(2):
+        with ts.scope():
+            logits = M.plain_copy(model(**_inputs(name)).logits)
+        assert torch.equal(logits, _plain_logits_with_grad(name))
+    M.assert_module_alive(model)
