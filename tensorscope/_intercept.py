@@ -47,6 +47,7 @@ from tensorscope._torch import (
     ORIGINAL_FROMBUFFER,
     current_autograd_node,
     graph_task_id,
+    tracing,
 )
 from tensorscope.ref import (
     TensorRef,
@@ -114,10 +115,12 @@ def adopt(
     counters: Counters,
     _capture: Any = capture_site,
     _not_owned: Any = NOT_OWNED,
+    _tracing: Any = tracing,
 ) -> bool:
-    """Make a fresh op result a ref owned by ``owner``; False when a state maker made it."""
+    """Make a fresh op result a ref owned by ``owner``; False when a state maker made it, or
+    ``torch.jit.trace`` is recording (see _thread.py's NOTE on TorchScript)."""
     site = _capture(2)
-    if site is _not_owned:
+    if site is _not_owned or _tracing():
         return False
     adopt_at(tensor, owner, counters, site)
     return True

@@ -21,6 +21,8 @@
 # | regions            | open ``record_function`` regions seen by the mode; True for | _intercept |
 # |                    | torch.optim's step/zero_grad regions                        |            |
 # | unowned_depth      | > 0 inside such an optimizer region (results not owned)     | _intercept |
+# | jit_optimize       | TorchScript's optimisation setting, saved while scopes are  | here       |
+# |                    | open (off meanwhile: see the NOTE on TorchScript)           |            |
 # | pending            | tensors whose memory a close on another thread disposed;    | ref.py     |
 # |                    | released by this thread at its next op or scope event       |            |
 #
@@ -31,6 +33,14 @@
 # op's inputs (no-op conversions under inference mode return their input); no state maker on
 # the call stack (``_sites.NOT_OWNED``); and, for a gradient being made by autograd's
 # AccumulateGrad, the leaf's own owner instead of the current scope.
+#
+# NOTE [TorchScript]
+# TorchScript's graph executor optimises a scripted or traced function on its first calls, and
+# constant propagation runs ops whose results become constants of the compiled graph: made while
+# a scope is open, they were owned and emptied at its exit, and every later call computed with
+# empty tensors (silently wrong results). So while a scope is open on a thread, TorchScript's
+# (thread-local) optimisation is off there and restored when the last scope closes; and nothing
+# is owned while ``torch.jit.trace`` records (its tensors become the trace's constants).
 #
 # NOTE [cross-thread close]
 # A scope may be closed from another thread. Its refs are disposed at once (class switch,
@@ -57,7 +67,7 @@ import torch
 from tensorscope._engine import FAST
 from tensorscope._slot import ACTIVE
 from tensorscope._state import Counters, Owner
-from tensorscope._torch import mode_on_top, pop_mode, push_mode
+from tensorscope._torch import jit_optimize, mode_on_top, pop_mode, push_mode
 
 if TYPE_CHECKING:
     from torch.utils._python_dispatch import TorchDispatchMode
@@ -76,6 +86,7 @@ class ThreadState:
     __slots__ = (
         "__weakref__",
         "counters",
+        "jit_optimize",
         "key_on",
         "mode",
         "mode_kept",
@@ -96,6 +107,7 @@ class ThreadState:
         self.mode: TorchDispatchMode | None = None
         self.pushed = False
         self.key_on = False  # the C++ engine's dispatch key is included on this thread
+        self.jit_optimize: bool | None = None  # TorchScript's setting, saved while scopes are open
         self.mode_kept = False  # the mode stays pushed while popped_for (residency needs it)
         self.scope_users = 0
         self.residency_users = 0
@@ -139,12 +151,23 @@ class ThreadState:
         elif self.pushed and mode is not None and mode_on_top(mode):
             pop_mode()
             self.pushed = False
+        self._sync_jit()
         key = self._key_wanted()
         if key != self.key_on:
             if key:
                 FAST.bind_thread(self)  # the engine reads this thread's state (csrc/fast.cpp)
             FAST.set_enabled(key)
             self.key_on = key
+
+    def _sync_jit(self) -> None:
+        """TorchScript runs unoptimised on this thread while a scope is open here: its graph
+        optimisation runs ops to fold constants into the compiled graph, and a scope would own
+        (then empty) those constants (see the NOTE on TorchScript)."""
+        if self.scope_users > 0 and self.jit_optimize is None:
+            self.jit_optimize = jit_optimize(False)
+        elif self.scope_users == 0 and self.jit_optimize is not None:
+            jit_optimize(self.jit_optimize)
+            self.jit_optimize = None
 
     def pop_for(self, reason: PopReason, keep_mode: bool = False) -> bool:
         """Stop owning results for a while (an optimizer step, a backward pass): the key off,
@@ -214,6 +237,9 @@ def _reset_after_fork() -> None:
     if state.key_on:
         FAST.set_enabled(False)
         state.key_on = False
+    if state.jit_optimize is not None:
+        jit_optimize(state.jit_optimize)
+        state.jit_optimize = None
     state.pushed = False
     state.mode_kept = False
     state.scope_users = state.residency_users = state.unowned_depth = 0
