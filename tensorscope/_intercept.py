@@ -48,6 +48,7 @@ from tensorscope._torch import (
     current_autograd_node,
     graph_task_id,
     tracing,
+    treat_as_plain_for_tracing,
 )
 from tensorscope.ref import (
     TensorRef,
@@ -344,7 +345,7 @@ def _install_global_hooks() -> None:
     # torch.frombuffer is the one creator that bypasses the dispatcher (DESIGN.md).
     torch.frombuffer = _frombuffer
     _skip_our_frames_in_dynamo()
-    _refs_are_plain_for_tracing()
+    treat_as_plain_for_tracing(TensorRef)
     if FAST is not None:
         # The engine does adopt_at's work itself in the common case (csrc/fast.cpp).
         adoption = (TensorRef, RefState, Counters, on_ref_death, STATES, CURRENT_SCOPE)
@@ -375,22 +376,6 @@ def _skip_our_frames_in_dynamo() -> None:
         adopt_at,
     ):
         frames.set_code_exec_strategy(function.__code__, skip)
-
-
-def _refs_are_plain_for_tracing() -> None:
-    """torch's tracing (make_fx, aot_autograd's first-call check of a compiled function) defers
-    any tensor whose exact type is not in ``HANDLED_TYPES``, and a TensorRef made in a scope would
-    fail compiled code run there. A ref is a plain tensor whose class was switched (no
-    ``__torch_function__``, no ``__torch_dispatch__``): it is added to that tuple."""
-    import sys
-
-    from torch.fx.experimental import proxy_tensor
-
-    handled = (*proxy_tensor.HANDLED_TYPES, TensorRef)
-    proxy_tensor.HANDLED_TYPES = handled  # type: ignore[assignment]
-    runtime = sys.modules.get("torch._functorch._aot_autograd.runtime_wrappers")
-    if runtime is not None:  # imported it by name already
-        runtime.HANDLED_TYPES = handled  # type: ignore[attr-defined]
 
 
 @functools.wraps(ORIGINAL_FROMBUFFER)

@@ -35,6 +35,7 @@ __all__ = [
     "swap_data_ptr",
     "tensor_over",
     "tracing",
+    "treat_as_plain_for_tracing",
 ]
 
 _C: Any = torch._C
@@ -95,6 +96,24 @@ def swap_data_ptr(storage: torch.UntypedStorage, other: torch.UntypedStorage) ->
     """Exchange the memory of two storages (equal sizes, or one of them empty)."""
     swap: Any = storage._swap_data_ptr_  # type: ignore[attr-defined]
     swap(other)
+
+
+def treat_as_plain_for_tracing(cls: type) -> None:
+    """torch's tracing (make_fx, AOTAutograd's analysis of a compiled function) defers every
+    tensor whose exact type is not in ``HANDLED_TYPES``, so compiled code given one fails. A
+    class tensorscope switches tensors to (no ``__torch_function__``, no
+    ``__torch_dispatch__``: the tensor is plain in all but name) is added to that tuple."""
+    import sys
+
+    from torch.fx.experimental import proxy_tensor
+
+    if cls in proxy_tensor.HANDLED_TYPES:
+        return
+    handled = (*proxy_tensor.HANDLED_TYPES, cls)
+    proxy_tensor.HANDLED_TYPES = handled  # type: ignore[assignment]
+    runtime = sys.modules.get("torch._functorch._aot_autograd.runtime_wrappers")
+    if runtime is not None:  # imported the tuple by name already
+        runtime.HANDLED_TYPES = handled
 
 
 def jit_optimize(enabled: bool) -> bool:

@@ -22,7 +22,7 @@ import torch
 from torch import nn
 from typing_extensions import Self
 
-from tensorscope._torch import plain_repr
+from tensorscope._torch import plain_repr, treat_as_plain_for_tracing
 from tensorscope.errors import ArgumentTypeError, ResidencyError, ResidencyWarning
 from tensorscope.loading import Loaded, load_checkpoint
 from tensorscope.ref import ResidencyMethods
@@ -63,6 +63,11 @@ class ManagedBuffer(ResidencyMethods, torch.Tensor):
 
     def __reduce_ex__(self, proto: Any) -> Any:
         return torch.Tensor._reduce_ex_internal(self.data, proto)  # type: ignore[no-untyped-call]
+
+
+# Compiled code (AOTAutograd) is given managed parameters and buffers as it is given plain ones.
+treat_as_plain_for_tracing(ManagedParameter)
+treat_as_plain_for_tracing(ManagedBuffer)
 
 
 class ManagedModule:

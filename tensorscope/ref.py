@@ -225,6 +225,18 @@ class TensorRef(PlainTensorProtocols, ResidencyMethods, torch.Tensor):  # type: 
                 raise
             raise error from exc
 
+    def __coerce_same_metadata_as_tangent__(
+        self, expected_metadata: Any, expected_type: type | None = None
+    ) -> torch.Tensor | None:
+        """A compiled backward (AOTAutograd) checks the exact type of the gradient it is given:
+        a ref (say ``torch.ones_like(loss)`` made in a scope, passed to ``backward()``) is
+        handed over as a plain alias of the same data."""
+        if expected_metadata is not None or expected_type not in (None, torch.Tensor):
+            return None
+        self._check_live()
+        with no_dispatch(), no_subclass_function():
+            return torch.Tensor.view_as(self, self)
+
     def detach(self) -> torch.Tensor:
         """Autograd's ``detach()``; outside any scope, the detached alias of a ref is a ref too.
 

@@ -266,3 +266,54 @@ def test_inductor_training_in_scopes_matches_unscoped() -> None:
     assert losses == expected_losses
     for key, value in state.items():
         assert torch.equal(value, expected_state[key]), key
+
+
+def _compiled_loss_grads(backend: str, scoped: bool, call: str) -> list[torch.Tensor]:
+    """The loss is the compiled function's own output; backward as ``call`` says."""
+    torch._dynamo.reset()
+    model = small_mlp()
+    loss_of = torch.compile(lambda x: model(x).pow(2).mean(), backend=backend)
+    for _ in range(2):
+        with ts.scope() if scoped else torch.enable_grad():
+            loss = loss_of(inputs())
+            if call == "method":
+                loss.backward()
+            elif call == "function":
+                torch.autograd.backward(loss)
+            else:  # an explicit gradient made inside the scope (a ref)
+                loss.backward(torch.ones_like(loss))
+    return [p.grad.clone() for p in model.parameters()]
+
+
+@pytest.mark.parametrize("call", ["method", "function", "explicit_gradient"])
+@pytest.mark.parametrize("backend", ["aot_eager", pytest.param("inductor", marks=pytest.mark.slow)])
+def test_backward_of_a_compiled_loss_in_a_scope_matches_unscoped(backend: str, call: str) -> None:
+    """The compiled backward checks the exact type of the incoming gradient: a gradient made in
+    the scope (a ref) is handed over as a plain alias (``__coerce_same_metadata_as_tangent__``)."""
+    expected = _compiled_loss_grads(backend, scoped=False, call=call)
+    got = _compiled_loss_grads(backend, scoped=True, call=call)
+    for g, e in zip(got, expected, strict=True):
+        assert torch.equal(g, e)
+
+
+class _WithBuffer(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.lin = nn.Linear(8, 8)
+        self.register_buffer("scale", torch.full((8,), 2.0))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(x) * self.scale
+
+
+@pytest.mark.parametrize("backend", ["eager", "aot_eager"])
+def test_a_managed_module_with_a_buffer_compiles(backend: str) -> None:
+    """Managed parameters and buffers reach AOTAutograd as plain tensors do."""
+    x = torch.randn(2, 8, generator=torch.Generator().manual_seed(1))
+    expected = _WithBuffer()(x)
+    model = _WithBuffer()
+    ts.residency.configure(device="cpu", policy="flow", budget=None)
+    with ts.manage(model):
+        out = torch.compile(model, backend=backend)(x)
+        assert torch.equal(out, expected)
