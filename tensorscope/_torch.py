@@ -113,7 +113,7 @@ def treat_as_plain_for_tracing(cls: type) -> None:
     proxy_tensor.HANDLED_TYPES = handled  # type: ignore[assignment]
     runtime = sys.modules.get("torch._functorch._aot_autograd.runtime_wrappers")
     if runtime is not None:  # imported the tuple by name already
-        runtime.HANDLED_TYPES = handled
+        runtime.HANDLED_TYPES = handled  # type: ignore[attr-defined]
 
 
 def jit_optimize(enabled: bool) -> bool:
