@@ -7,10 +7,11 @@ Scopes form a stack per thread and per asyncio task (a contextvar holds the inne
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 import sys
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Generator, Iterable, Iterator
 from dataclasses import dataclass
 from types import FrameType, TracebackType
 from typing import Any, TypeVar, overload
@@ -189,13 +190,20 @@ class DisposeScope(Owner):
             warn_leaks(self.words(), self.leaks)
 
     def __call__(self, func: Callable[_P, _R]) -> Callable[_P, _R]:
-        """Decorator: run each call of ``func`` in a new scope like this one."""
-        if inspect.iscoroutinefunction(func):
+        """Decorator: run each call of ``func`` in a new scope like this one.
+
+        On a generator function, the scope lives as long as the generator and is current only
+        while its body runs (not while it is suspended at a ``yield``): what the consumer makes
+        between two items is never the generator's. Refs it yields or returns move to the
+        consumer's scope (unowned if there is none)."""
+        if inspect.iscoroutinefunction(func) or inspect.isasyncgenfunction(func):
             raise ArgumentTypeError(
                 "tensorscope.scope: @ts.scope() cannot decorate a coroutine function (the scope "
                 "would close before the coroutine runs); use `with ts.scope():` inside it."
             )
         name, report_leaks = self.name, self.report_leaks
+        if inspect.isgeneratorfunction(func):
+            return _scoped_generator(func, name, report_leaks)  # type: ignore[return-value]
 
         @functools.wraps(func)
         def scoped(*args: _P.args, **kwargs: _P.kwargs) -> _R:
@@ -340,6 +348,80 @@ def _flatten_keep(keep: Iterable[Any]) -> Iterator[Any]:
                 "tensorscope.scope: dispose_everything_but() keeps tensors or iterables of "
                 f"tensors; got {type(item).__name__}."
             )
+
+
+def _hand_over(value: Any, inner: DisposeScope, to: Owner | None) -> None:
+    """Refs of ``inner`` found in ``value`` (what a scoped function returns or yields) move to
+    ``to`` (unowned if ``None``)."""
+    for tensor in _tensors_in(value):
+        state = state_of(tensor)
+        if state is not None and state.owner is inner and state.disposal is None:
+            if to is None:
+                tensor.detach_from_scope()  # type: ignore[attr-defined]
+            else:
+                move_state(state, to)
+
+
+@contextlib.contextmanager
+def _body_running(scope: DisposeScope) -> Iterator[list[Any]]:
+    """One stretch of a scoped generator's body: ``scope`` is current on this thread until the
+    body yields (or ends); what the caller list gets is handed to the consumer's scope."""
+    consumer = CURRENT_SCOPE.get()
+    consumer = consumer.resolve() if consumer is not None else None
+    state = thread_state()
+    if not scope._entered:  # the first stretch: the scope opens
+        scope._outer = consumer
+        scope._entered = True
+        scope._thread = state
+    token = CURRENT_SCOPE.set(scope)
+    _intercept.acquire(state)
+    handed: list[Any] = []
+    try:
+        yield handed
+        if not scope._closed:
+            _hand_over(handed, scope, consumer)
+    finally:
+        CURRENT_SCOPE.reset(token)
+        if not scope._closed:  # a close releases its thread's hold itself
+            _intercept.release(state)
+
+
+def _scoped_generator(
+    func: Callable[..., Generator[Any, Any, Any]], name: str | None, report_leaks: bool
+) -> Callable[..., Generator[Any, Any, Any]]:
+    """``@ts.scope()`` on a generator function (torch's decorated-generator protocol: the body
+    runs in the context, the consumer does not)."""
+
+    @functools.wraps(func)
+    def scoped(*args: Any, **kwargs: Any) -> Generator[Any, Any, Any]:
+        generator = func(*args, **kwargs)
+        inner = DisposeScope(name, report_leaks=report_leaks)
+        try:
+            with _body_running(inner) as handed:
+                handed.append(response := generator.send(None))
+            while True:
+                try:
+                    request = yield response
+                except GeneratorExit:
+                    with _body_running(inner):
+                        generator.close()
+                    raise
+                except BaseException:
+                    with _body_running(inner) as handed:
+                        handed.append(response := generator.throw(*sys.exc_info()))
+                else:
+                    with _body_running(inner) as handed:
+                        handed.append(response := generator.send(request))
+        except StopIteration as stop:
+            with _body_running(inner) as handed:
+                handed.append(stop.value)
+            return stop.value
+        finally:
+            if inner._entered:
+                with _body_running(inner):
+                    inner.close()
+
+    return scoped
 
 
 def _tensors_in(value: Any, depth: int = 0) -> Iterator[torch.Tensor]:

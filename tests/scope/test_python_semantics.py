@@ -18,7 +18,7 @@ import sys
 import threading
 import warnings
 import weakref
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -370,6 +370,58 @@ def test_decorator_recursion() -> None:
         assert len(outer) == 2  # x and the result
     assert len({id(s) for s in scopes}) == 5
     assert all(s.is_closed for s in scopes)
+
+
+@ts.scope(name="batches")
+def _scoped_batches(n: int) -> Iterator[torch.Tensor]:
+    for i in range(n):
+        temporary = torch.ones(3) * i  # the generator's own
+        current = ts.current_scope()
+        assert current is not None and current.name == "batches"
+        yield temporary + 1
+    return
+
+
+def test_decorated_generator_body_runs_in_its_scope_and_the_consumer_does_not() -> None:
+    """``@ts.scope()`` on a generator function: the scope is current while the body runs, not
+    while it is suspended; yielded refs go to the consumer's scope (unowned without one)."""
+    kept = []
+    for batch in _scoped_batches(3):
+        assert ts.current_scope() is None
+        doubled = batch * 2
+        assert type(doubled) is torch.Tensor  # the consumer has no scope: plain
+        assert isinstance(batch, ts.TensorRef) and batch.scope is None
+        kept.append(doubled)
+    assert [k.tolist() for k in kept] == [[2.0] * 3, [4.0] * 3, [6.0] * 3]
+    with ts.scope() as consumer:
+        generator = _scoped_batches(2)
+        first = next(generator)
+        made = first * 3
+        assert first.scope is consumer and made.scope is consumer
+        rest = list(generator)
+        assert [r.tolist() for r in rest] == [[2.0] * 3]
+    assert first.is_disposed and made.is_disposed
+
+
+def test_decorated_generator_closes_its_scope_when_closed_early_or_on_error() -> None:
+    generator = _scoped_batches(5)
+    item = next(generator)
+    generator.close()
+    assert ts.current_scope() is None and not item.is_disposed
+    generator = _scoped_batches(5)
+    next(generator)
+    with pytest.raises(ValueError, match="boom"):
+        generator.throw(ValueError("boom"))
+    assert ts.current_scope() is None
+    assert torch._C._len_torch_dispatch_stack() == 0
+
+
+def test_decorator_refuses_async_generators() -> None:
+    async def agen() -> AsyncIterator[int]:
+        yield 1
+
+    with pytest.raises(ts.ArgumentTypeError, match="coroutine"):
+        ts.scope()(agen)
 
 
 def test_decorator_keeps_function_metadata() -> None:
