@@ -38,6 +38,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from typing_extensions import Self
 
+from tensorscope._engine import FAST
 from tensorscope._plain import PlainTensorProtocols
 from tensorscope._sites import Site, user_site
 from tensorscope._slot import active_residency, residency_hooks
@@ -295,6 +296,21 @@ class DisposedTensor(TensorRef):
                 raise disposed_error(candidate)
         raise DisposedTensorError("tensorscope.scope: a disposed tensor was used")
 
+    @classmethod
+    def __torch_dispatch__(  # type: ignore[override]
+        cls,
+        func: Any,
+        types: Any,
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> Any:
+        """Ops that reach a released, disposed tensor from C++ (``torch.tensor(t)``,
+        ``t.as_subclass(...)``) raise too: the C++ engine gives it the Python dispatch key."""
+        for candidate in _iter_tensors(args, kwargs):
+            if type(candidate) is DisposedTensor:
+                raise disposed_error(candidate)
+        raise DisposedTensorError(f"tensorscope.scope: {func} was given a disposed tensor")
+
 
 def _iter_tensors(args: Iterable[Any], kwargs: dict[str, Any] | None) -> Iterable[Any]:
     for arg in args:
@@ -485,9 +501,11 @@ def _release(tensor: torch.Tensor) -> None:
             # (and the activations saved in it) alive. Views cannot be detached in place.
             tensor.detach_()
         # Disposed tensors share one 0-byte tensor per dtype, device and layout: nothing can
-        # grow it (every Python path raises; C++ paths reaching a disposed tensor fail on its
-        # shape).
+        # grow it (every Python path raises; with the C++ engine so does every op that reaches
+        # it from C++, elsewhere those fail on its shape).
         tensor.data = _empty_like(tensor)
+        if FAST is not None:
+            FAST.guard_disposed(tensor)
 
 
 # ------------------------------------------------------------------------------ conversions

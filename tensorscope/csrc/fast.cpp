@@ -521,6 +521,21 @@ PyObject* poison(PyObject*, PyObject* args) {
   END_HANDLE_TH_ERRORS
 }
 
+// guard_disposed(tensor): a released, disposed tensor's TensorImpl gets the Python dispatch
+// key, so an op that reaches it from C++ without Python's attribute lookup (torch.tensor(t),
+// t.as_subclass(...), autograd's engine) calls DisposedTensor.__torch_dispatch__, which raises,
+// instead of computing with its empty data.
+PyObject* guard_disposed(PyObject*, PyObject* tensor) {
+  if (!THPVariable_Check(tensor)) {
+    PyErr_SetString(PyExc_TypeError, "guard_disposed() takes a tensor");
+    return nullptr;
+  }
+  HANDLE_TH_ERRORS
+  THPVariable_Unpack(tensor).unsafeGetTensorImpl()->set_python_dispatch(true);
+  Py_RETURN_NONE;
+  END_HANDLE_TH_ERRORS
+}
+
 PyObject* forget_verdicts(PyObject*, PyObject*) {
   g_verdict_cache.clear();
   Py_RETURN_NONE;
@@ -540,6 +555,8 @@ PyMethodDef methods[] = {
     {"poison", poison, METH_VARARGS,
      "poison(tensors, versions, alone): the disposed tensors' version counters (their own "
      "where a tensor outside the batch holds their storage)."},
+    {"guard_disposed", guard_disposed, METH_O,
+     "guard_disposed(tensor): ops reaching the disposed tensor from C++ raise too."},
     {"forget_verdicts", forget_verdicts, METH_NOARGS,
      "Drop the cached verdicts (a code object's verdict changed: _sites.mark_state_maker)."},
     {"bind_thread", bind_thread, METH_O,

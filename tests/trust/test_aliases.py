@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 import tensorscope as ts
+from tensorscope._engine import FAST
 
 
 def _linear() -> nn.Linear:
@@ -105,3 +106,26 @@ def test_backward_over_a_disposed_saved_input_still_raises() -> None:
             loss = (x @ w).sum().move_to_outer()
         with pytest.raises(ts.DisposedTensorError):
             loss.backward()
+
+
+C_LEVEL_READS = {
+    "torch.tensor(t)": lambda t: torch.tensor(t),
+    "torch.Tensor(t)": lambda t: torch.Tensor(t),
+    "t.as_subclass(torch.Tensor)": lambda t: t.as_subclass(torch.Tensor),
+    "torch.empty(0).set_(t)": lambda t: torch.empty(0).set_(t),
+}
+
+
+@pytest.mark.filterwarnings("ignore:To copy construct")
+@pytest.mark.parametrize("read", list(C_LEVEL_READS))
+def test_a_disposed_ref_read_from_cpp_raises(read: str) -> None:
+    """Paths that reach the tensor without Python's attribute lookup raise DisposedTensorError
+    with the C++ engine (the disposed TensorImpl carries the Python dispatch key); the Python
+    engine cannot mark a TensorImpl, and they read an empty tensor (docs/scopes.md)."""
+    with ts.scope():
+        loss = torch.tensor(1.25) * 2
+    if FAST is not None:
+        with pytest.raises(ts.DisposedTensorError, match=r"shape \(\) and dtype float32"):
+            C_LEVEL_READS[read](loss)
+    else:
+        assert C_LEVEL_READS[read](loss).numel() == 0
