@@ -17,6 +17,8 @@ import torch
 
 from tensorscope._intercept import GRAD_CANDIDATE, MUTATING, accumulate_grad_leaf
 from tensorscope._torch import no_dispatch, storage_address
+from tensorscope._units import format_bytes
+from tensorscope.errors import OutOfBudgetError
 from tensorscope.policies import OpView
 from tensorscope.residency import room, split
 from tensorscope.residency.placement import Placement
@@ -392,6 +394,15 @@ class OpPath:
 
         per_index = [index_bytes(i) for i in range(split.index_count(func, args, kwargs))]
         fixed = sum(p.nbytes for p in self.operands(args, kwargs) if p.key not in listed)
+        largest = fixed + max(per_index, default=0)
+        if per_index and largest > budget:
+            raise OutOfBudgetError(
+                f"tensorscope.residency: op {func} is split into groups that fit the budget, "
+                f"but one index alone (a tensor with its gradient, state and result) needs "
+                f"{format_bytes(largest)}, more than the budget of {format_bytes(budget)}. "
+                "Nothing was moved. Raise the budget (ts.residency.configure(budget=...)) to at "
+                f"least {format_bytes(largest)}."
+            )
         chunks = split.plan_chunks(func, args, kwargs, lambda i: per_index[i], fixed, budget)
         if chunks is None or len(chunks) < 2:
             return None

@@ -69,3 +69,25 @@ def test_multi_tensor_op_under_a_budget_below_the_parameters_matches_plain(case:
     assert state.keys() == expected_state.keys()
     for key, value in state.items():
         assert torch.equal(value, expected_state[key]), key
+
+
+def test_a_multi_tensor_op_whose_single_index_exceeds_the_budget_says_what_budget_fits() -> None:
+    """Split into groups, one index of ``_foreach_add_`` (two 16 KiB tensors) still needs
+    32 KiB: the error names that size, not the whole op's, nothing moves, and the same op
+    succeeds once the budget allows it, with plain's results."""
+    torch.manual_seed(0)
+    plain_a = [torch.randn(4096) for _ in range(3)]
+    plain_b = [torch.randn(4096) for _ in range(3)]
+    ts.residency.configure(device="cpu", policy="flow", budget="24KiB")
+    a = [ts.ref(t.clone()).demote() for t in plain_a]
+    b = [ts.ref(t.clone()).demote() for t in plain_b]
+    with pytest.raises(ts.OutOfBudgetError, match="one index alone") as raised:
+        torch._foreach_add_(a, b)
+    assert "at least 32.0 KiB" in str(raised.value)
+    assert [t.tier for t in a + b] == ["disk"] * 6
+    ts.residency.configure(budget="32KiB")
+    torch._foreach_add_(a, b)
+    torch._foreach_add_(plain_a, plain_b)
+    for got, expected in zip(a, plain_a, strict=True):
+        assert torch.equal(got, expected)
+    assert ts.residency.report().peak_bytes <= 32 * 1024
