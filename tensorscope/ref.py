@@ -291,10 +291,7 @@ class DisposedTensor(TensorRef):
         if func is torch.Tensor.__hash__:  # identity hash: sets/dicts of refs keep working
             with no_subclass_function():
                 return func(*args, **(kwargs or {}))  # type: ignore[no-untyped-call]
-        for candidate in _iter_tensors(args, kwargs):
-            if type(candidate) is DisposedTensor:
-                raise disposed_error(candidate)
-        raise DisposedTensorError("tensorscope.scope: a disposed tensor was used")
+        raise _disposed_among(args, kwargs, func)
 
     @classmethod
     def __torch_dispatch__(  # type: ignore[override]
@@ -306,10 +303,17 @@ class DisposedTensor(TensorRef):
     ) -> Any:
         """Ops that reach a released, disposed tensor from C++ (``torch.tensor(t)``,
         ``t.as_subclass(...)``) raise too: the C++ engine gives it the Python dispatch key."""
-        for candidate in _iter_tensors(args, kwargs):
-            if type(candidate) is DisposedTensor:
-                raise disposed_error(candidate)
-        raise DisposedTensorError(f"tensorscope.scope: {func} was given a disposed tensor")
+        raise _disposed_among(args, kwargs, func)
+
+
+def _disposed_among(
+    args: Iterable[Any], kwargs: dict[str, Any] | None, func: Any
+) -> DisposedTensorError:
+    """The error naming the first disposed tensor among ``func``'s arguments."""
+    for candidate in _iter_tensors(args, kwargs):
+        if type(candidate) is DisposedTensor:
+            return disposed_error(candidate)
+    return DisposedTensorError(f"tensorscope.scope: {func} was given a disposed tensor")
 
 
 def _iter_tensors(args: Iterable[Any], kwargs: dict[str, Any] | None) -> Iterable[Any]:

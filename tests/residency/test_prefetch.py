@@ -25,16 +25,20 @@ class _Placement:
         self.written = False
 
 
-def test_two_placements_are_populated_concurrently() -> None:
+def _two_populated_at_once(prefetcher: Prefetcher) -> None:
     barrier = threading.Barrier(2)
-    prefetcher = Prefetcher()
     placements = [_Placement(_Region(barrier)) for _ in range(2)]
     events = [threading.Event() for _ in placements]
+    for placement, event in zip(placements, events, strict=True):
+        prefetcher.submit(placement, event)  # type: ignore[arg-type]
+    assert all(event.wait(timeout=20) for event in events)
+    assert all(p.region.populated for p in placements)
+
+
+def test_two_placements_are_populated_concurrently() -> None:
+    prefetcher = Prefetcher()
     try:
-        for placement, event in zip(placements, events, strict=True):
-            prefetcher.submit(placement, event)  # type: ignore[arg-type]
-        assert all(event.wait(timeout=20) for event in events)
-        assert all(p.region.populated for p in placements)
+        _two_populated_at_once(prefetcher)
     finally:
         prefetcher.close()
 
@@ -51,12 +55,6 @@ def test_a_failed_populate_releases_its_waiter_and_the_threads_live_on() -> None
             event = threading.Event()
             prefetcher.submit(placement, event)
             assert event.wait(timeout=20)
-        barrier = threading.Barrier(2)
-        placements = [_Placement(_Region(barrier)) for _ in range(2)]
-        events = [threading.Event() for _ in placements]
-        for placement, event in zip(placements, events, strict=True):
-            prefetcher.submit(placement, event)  # type: ignore[arg-type]
-        assert all(event.wait(timeout=20) for event in events)
-        assert all(p.region.populated for p in placements)
+        _two_populated_at_once(prefetcher)
     finally:
         prefetcher.close()
