@@ -237,12 +237,10 @@ def _reset_after_fork() -> None:
     if state.key_on:
         FAST.set_enabled(False)
         state.key_on = False
-    if state.jit_optimize is not None:
-        jit_optimize(state.jit_optimize)
-        state.jit_optimize = None
     state.pushed = False
     state.mode_kept = False
     state.scope_users = state.residency_users = state.unowned_depth = 0
+    state._sync_jit()  # no scope open: TorchScript's setting back
     state.popped_for = None
     state.regions = []
     state.pending = []
