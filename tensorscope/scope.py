@@ -209,10 +209,8 @@ class DisposeScope(Owner):
         def scoped(*args: _P.args, **kwargs: _P.kwargs) -> _R:
             with DisposeScope(name, report_leaks=report_leaks) as inner:
                 result = func(*args, **kwargs)
-                for tensor in _tensors_in(result):
-                    state = state_of(tensor)
-                    if state is not None and state.owner is inner and state.disposal is None:
-                        inner.move_to_outer(tensor)
+                outer = inner._outer.resolve() if inner._outer is not None else None
+                _hand_over(result, inner, outer)
                 return result
 
         return scoped
@@ -356,10 +354,9 @@ def _hand_over(value: Any, inner: DisposeScope, to: Owner | None) -> None:
     for tensor in _tensors_in(value):
         state = state_of(tensor)
         if state is not None and state.owner is inner and state.disposal is None:
+            move_state(state, to)
             if to is None:
-                tensor.detach_from_scope()  # type: ignore[attr-defined]
-            else:
-                move_state(state, to)
+                state.counters.detached += 1
 
 
 @contextlib.contextmanager
