@@ -36,7 +36,7 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from tensorscope import _keepers, _optimizer
+from tensorscope import _compiled, _keepers, _optimizer
 from tensorscope._engine import FAST
 from tensorscope._sites import NOT_OWNED, Site, capture_site, site_verdicts, user_site
 from tensorscope._slot import ACTIVE
@@ -330,6 +330,9 @@ def adopt_result(
 
 # ---------------------------------------------------------------------------- global hooks
 _global_hooks: list[Any] = []
+# At import, not at the first scope: a function compiled (and run) before any scope opens is
+# called inside scopes later, and its graphs must own their outputs there (_compiled.py).
+_compiled.install()
 
 
 def _install_global_hooks() -> None:

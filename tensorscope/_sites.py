@@ -32,6 +32,7 @@ __all__ = [
     "NOT_OWNED",
     "NotOwned",
     "Site",
+    "caller_site",
     "capture_site",
     "format_site",
     "mark_state_maker",
@@ -145,6 +146,23 @@ def user_site(skip: int = 1) -> Site:
     """The innermost user frame's site, skipping ``skip`` frames (state makers ignored)."""
     site = capture_site(skip + 1)
     return None if isinstance(site, NotOwned) else site
+
+
+def caller_site(skip: int = 1) -> Site:
+    """The innermost user frame's site, skipping ``skip`` frames and every torch frame, state
+    makers included: for code that torch's machinery runs on the user's behalf (the compiled
+    graphs of _compiled.py run under torch._dynamo's frames)."""
+    frame: FrameType | None = sys._getframe(skip + 1)
+    lookup = _by_id.get
+    while frame is not None:
+        code = frame.f_code
+        verdict = lookup(id(code))
+        if verdict is None:
+            verdict = _classify(code)
+        if verdict == _USER:
+            return (code, frame.f_lasti)
+        frame = frame.f_back
+    return None
 
 
 def site_file_line(site: Site) -> tuple[str, int] | None:

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import dataclasses
 import operator
+import subprocess
+import sys
 from collections.abc import Callable
 
 import pytest
@@ -199,13 +201,73 @@ def test_compiled_inside_a_scope_recompiles_at_most_once_outside() -> None:
     assert backend.runs == 4
 
 
-def test_compiled_results_are_owned_by_the_scope() -> None:
-    model = torch.compile(small_mlp(), backend=CountingBackend())
+@pytest.mark.parametrize(
+    "backend", ["counting", "aot_eager", pytest.param("inductor", marks=pytest.mark.slow)]
+)
+def test_compiled_results_are_owned_by_the_scope(backend: str) -> None:
+    """Inductor allocates its outputs outside the dispatcher: they are owned all the same."""
+    chosen = CountingBackend() if backend == "counting" else backend
+    model = torch.compile(small_mlp(), backend=chosen)
+    with torch.no_grad():
+        expected = model(inputs())  # compiled before any scope: the graph is called inside
     with ts.scope() as scope:
         out = model(inputs())
         assert isinstance(out, ts.TensorRef)
         assert out.scope is scope
+        assert torch.equal(out, expected)
     assert out.is_disposed
+
+
+def _views_and_inputs(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    return a.t(), a[1:], b, a * b, (a + 1).view(-1)
+
+
+@pytest.mark.slow
+def test_inductor_outputs_that_alias_inputs_leave_the_inputs_alive() -> None:
+    """Views of inputs are owned as eager views are (disposing one frees nothing of its base);
+    an input handed back unchanged stays the caller's."""
+    compiled = torch.compile(_views_and_inputs, backend="inductor")
+    x = torch.randn(4, 4, generator=torch.Generator().manual_seed(0))
+    kept = x.clone()
+    expected = _views_and_inputs(x, x + 1)
+    with ts.scope():
+        b = x + 1
+        outs = compiled(x, b)
+        assert outs[2] is b
+        for got, want in zip(outs, expected, strict=True):
+            assert type(got) is ts.TensorRef
+            assert torch.equal(got, want)
+    assert type(x) is torch.Tensor and torch.equal(x, kept)
+    assert all(out.is_disposed for out in outs if out is not b)
+    first = _views_and_inputs.__code__.co_firstlineno  # the site is in the compiled function
+    lines = f"({first}|{first + 1})"
+    with pytest.raises(ts.DisposedTensorError, match=f"created at {__file__}:{lines},"):
+        outs[3] + 1
+
+
+_COMPILED_BEFORE_IMPORT = """
+import torch, torch._dynamo
+f = torch.compile(lambda x: x.sin() * 2, backend="inductor")
+import tensorscope as ts
+g = torch.compile(lambda x: x.cos() + 1, backend="inductor")
+g(torch.ones(3))  # compiled before any scope, after the import
+with ts.scope():
+    print(type(g(torch.ones(3))).__name__)
+"""
+
+
+@pytest.mark.slow
+def test_inductor_outputs_are_owned_when_dynamo_was_imported_first() -> None:
+    """Dynamo loaded before tensorscope: the wrapper is applied at import, not only lazily."""
+    done = subprocess.run(
+        [sys.executable, "-c", _COMPILED_BEFORE_IMPORT],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["TensorRef"]
 
 
 def _train_compiled(

@@ -25,7 +25,8 @@ LAYERS: list[tuple[str, ...]] = [
     ("_thread",),  # per-thread state
     ("_plain",),  # plain-tensor protocols of refs
     ("ref",),  # TensorRef, disposal
-    ("_optimizer", "_keepers"),  # torch.optim step hooks; torch entry points that keep state
+    # torch.optim step hooks; torch entry points that keep state; torch.compile'd outputs
+    ("_optimizer", "_keepers", "_compiled"),
     ("_intercept", "_leaks"),  # the dispatch mode; the leak report
     ("scope",),  # DisposeScope, statistics
     ("residency", "empty_init"),  # the residency manager package; meta-device construction
