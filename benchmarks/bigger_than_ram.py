@@ -636,7 +636,9 @@ def model_worker(cfg: dict[str, Any], status: Status) -> dict[str, Any]:
         else:
             with ts.empty_init():
                 model = AutoModelForCausalLM.from_config(config).eval()
-            ts.residency.configure(device="cpu", policy=variant, budget=cfg["budget"])
+            limit = cfg.get("prefetch_limit")
+            policy: Any = ts.Flow(prefetch_limit=limit) if variant == "flow" else variant
+            ts.residency.configure(device="cpu", policy=policy, budget=cfg["budget"])
             handle = ts.manage(model, checkpoint=directory)
     out["load_s"] = load_w.wall
     common.settle_memory()
@@ -860,6 +862,13 @@ def main() -> int:
     parser.add_argument("--shard-size", help="bytes per shard (default 2GiB; quick 256MiB)")
     parser.add_argument("--policies", default="flow,genoa", help="tensorscope policies to run")
     parser.add_argument("--skip-accelerate", action="store_true", help="no accelerate variant")
+    parser.add_argument(
+        "--prefetch-limit",
+        type=int,
+        default=None,
+        help="Flow(prefetch_limit=N): a fixed read-ahead of N placements (default: the "
+        "measured pace decides)",
+    )
     parser.add_argument("--rounds", type=int, default=1, help="runs per variant, interleaved")
     parser.add_argument("--forwards", type=int, default=None, help="steady forwards (3; quick 2)")
     parser.add_argument("--threads", type=int, default=2, help="torch threads in each worker")
@@ -991,6 +1000,7 @@ def main() -> int:
                     "budget": budget,
                     "forwards": forwards,
                     "threads": args.threads,
+                    "prefetch_limit": args.prefetch_limit,
                     "io_repeats": args.io_repeats,
                     "offload_dir": str(offload_dir),
                     "logits_path": str(tmp / f"{v}-{r}.pt"),

@@ -28,6 +28,7 @@ class Trace:
 
     signatures: list[Hashable] = field(default_factory=list)
     keys: list[tuple[Hashable, ...]] = field(default_factory=list)
+    times: list[float] = field(default_factory=list)  # the caller's clock when each op began
 
     def __len__(self) -> int:
         return len(self.keys)
@@ -50,6 +51,7 @@ class Recorder:
         self.current = Trace()
         self.previous: NextUse | None = None
         self._previous_signatures: list[Hashable] = []
+        self._previous_times: list[float] = []
         self.iterations = 0  # completed iterations
         self.diverged = False
 
@@ -71,8 +73,9 @@ class Recorder:
             and keys == trace.keys[0]
         )
 
-    def record(self, signature: Hashable, keys: tuple[Hashable, ...]) -> None:
-        """Append one op (starting a new iteration first if it is the start of the last one)."""
+    def record(self, signature: Hashable, keys: tuple[Hashable, ...], at: float = 0.0) -> None:
+        """Append one op (starting a new iteration first if it is the start of the last one);
+        ``at``: the caller's clock (seconds) when the op began, for :meth:`seconds_until`."""
         if self.starts_iteration(signature, keys) or len(self.current) >= MAX_ITERATION_OPS:
             self.boundary()
         index = len(self.current)
@@ -82,6 +85,7 @@ class Recorder:
                 self.diverged = True
         self.current.signatures.append(signature)
         self.current.keys.append(keys)
+        self.current.times.append(at)
 
     def boundary(self) -> None:
         """End the current iteration: it becomes the prediction for the next one."""
@@ -89,6 +93,7 @@ class Recorder:
             return
         self.previous = NextUse(self.current.keys)
         self._previous_signatures = self.current.signatures
+        self._previous_times = self.current.times
         self.current = Trace()
         self.iterations += 1
         self.diverged = False
@@ -98,6 +103,26 @@ class Recorder:
         if self.previous is None or self.diverged:
             return None
         return self.previous.after(key, self.position)
+
+    def seconds_until(self, index: int) -> float | None:
+        """Clock seconds the previous iteration took from this op's position to op ``index``:
+        how soon op ``index`` of this iteration is expected; None without a prediction.
+
+        Example:
+            >>> r = Recorder()
+            >>> for it in range(2):
+            ...     for i, name in enumerate(["a", "b", "c", "d", "e"]):
+            ...         r.record(name, (), at=10.0 * it + i * 0.5)
+            >>> r.position, r.seconds_until(4)
+            (4, None)
+            >>> r.record("a", (), at=20.0); r.seconds_until(3)
+            1.5
+        """
+        times = self._previous_times
+        position = self.position
+        if self.previous is None or self.diverged or not 0 <= position < index < len(times):
+            return None
+        return times[index] - times[position]
 
     def upcoming(self, limit: int) -> list[Hashable]:
         """Keys the previous iteration used next, in order, at most ``limit``."""

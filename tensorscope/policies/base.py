@@ -31,6 +31,8 @@ class Entry(NamedTuple):
     last_use: int  # manager clock (ops) of its last use; -1 if never used
     next_use: int | None  # predicted op index of its next use in this iteration; None: unknown
     busy: bool  # an operand of the op in flight: must stay on the device
+    # Seconds of compute until its next use (the previous iteration's pace); None: unknown.
+    eta: float | None = None
 
 
 def take_until(ranked: Iterable[Entry], needed_bytes: int) -> list[int]:
@@ -57,7 +59,15 @@ class Snapshot:
     policy that decides without them costs no per-placement work.
     """
 
-    __slots__ = ("_entries", "_make", "budget_bytes", "clock", "device_bytes", "upcoming")
+    __slots__ = (
+        "_entries",
+        "_make",
+        "budget_bytes",
+        "clock",
+        "device_bytes",
+        "read_rate",
+        "upcoming",
+    )
 
     def __init__(
         self,
@@ -68,6 +78,7 @@ class Snapshot:
         upcoming: tuple[Entry, ...] = (),
         *,
         make_entries: Callable[[], tuple[Entry, ...]] | None = None,
+        read_rate: float | None = None,
     ) -> None:
         self.budget_bytes = budget_bytes
         self.device_bytes = device_bytes
@@ -76,6 +87,8 @@ class Snapshot:
         self.upcoming = upcoming
         self._entries = entries
         self._make = make_entries
+        # Bytes per second the disk tier delivers (measured); None until measured.
+        self.read_rate = read_rate
 
     @property
     def entries(self) -> tuple[Entry, ...]:

@@ -16,6 +16,11 @@ from tensorscope.policies.base import Action, Entry, OpView, Snapshot, take_unti
 __all__ = ["Flow"]
 
 _NEVER = 1 << 62
+# Placements prefetched after one op while nothing is measured yet (see ``Flow``).
+_UNMEASURED_DEPTH = 4
+# A placement is asked for now when the disk would need at least this share of the compute time
+# until its use to deliver it and everything queued before it: reads are no steadier than that.
+_SAFETY = 2.0
 
 
 def _distance(entry: Entry) -> int:
@@ -26,10 +31,15 @@ class Flow:
     """Belady eviction with the previous iteration as the oracle, plus prefetching.
 
     Args:
-        prefetch_limit: at most this many placements prefetched after one op. 4 by default:
-            with the page cache cold (a model larger than RAM) GPT-2-medium at a 25% budget
-            ran 1.60 s/forward with 2 and 1.12-1.36 s with 4 (the disk always has the next
-            reads queued); with a warm page cache the two are within noise.
+        prefetch_limit: how far ahead to prefetch. ``None`` (the default): as far as the
+            measured pace says. Upcoming placements are taken in order of next use while the
+            disk, at its measured read rate, would need more than half the compute time left
+            until a placement's use to deliver it and everything before it: those must be
+            asked for now (within the budget, by Belady's rule). A disk-bound model prefetches
+            as far ahead as the budget allows, a compute-bound one (or a warm page cache) only
+            what is needed next. Until a read rate and an iteration's pace are measured, 4
+            placements. An int: exactly that many placements after each op (``0``: no
+            prefetching at all).
 
     Example:
         >>> from tensorscope.policies.base import Entry, Snapshot
@@ -42,18 +52,46 @@ class Flow:
     name = "flow"
     wants_snapshot_after_op = True
 
-    def __init__(self, prefetch_limit: int = 4) -> None:
-        if isinstance(prefetch_limit, bool) or not isinstance(prefetch_limit, int):
+    def __init__(self, prefetch_limit: int | None = None) -> None:
+        if prefetch_limit is not None and (
+            isinstance(prefetch_limit, bool) or not isinstance(prefetch_limit, int)
+        ):
             raise ArgumentTypeError(
-                "tensorscope.residency: Flow(prefetch_limit=...) takes an int (placements "
-                f"prefetched after one op, 0 for none); got {type(prefetch_limit).__name__}."
+                "tensorscope.residency: Flow(prefetch_limit=...) takes None (follow the "
+                "measured pace) or an int (placements prefetched after one op, 0 for none); got "
+                f"{type(prefetch_limit).__name__}."
             )
-        if prefetch_limit < 0:
+        if prefetch_limit is not None and prefetch_limit < 0:
             raise InvalidArgumentError(
                 f"tensorscope.residency: Flow(prefetch_limit={prefetch_limit}) must be 0 or "
-                "more (0 turns prefetching off)."
+                "more (0 turns prefetching off), or None to follow the measured pace."
             )
         self.prefetch_limit = prefetch_limit
+
+    def window(self, snapshot: Snapshot) -> tuple[Entry, ...]:
+        """The upcoming placements to ask for after this op (see the class docstring).
+
+        Example (the disk reads 100 bytes/s; compute reaches the third placement in 10 s,
+        while the disk would need 1.5 s for all three: the third can wait):
+            >>> from tensorscope.policies.base import Entry, Snapshot
+            >>> up = tuple(Entry(k, 50, "disk", -1, k, False, eta) for k, eta in
+            ...            [(1, 0.1), (2, 0.5), (3, 10.0)])
+            >>> [e.key for e in Flow().window(Snapshot(1000, 0, 0, (), up, read_rate=100.0))]
+            [1, 2]
+        """
+        upcoming = snapshot.upcoming
+        if self.prefetch_limit is not None:
+            return upcoming[: self.prefetch_limit]
+        rate = snapshot.read_rate
+        if rate is None or not upcoming or any(e.eta is None for e in upcoming):
+            return upcoming[:_UNMEASURED_DEPTH]
+        queued = 0
+        for index, entry in enumerate(upcoming):
+            queued += entry.nbytes
+            eta = entry.eta if entry.eta is not None else 0.0
+            if index > 0 and _SAFETY * queued / rate < eta:
+                return upcoming[:index]
+        return upcoming
 
     def _ranked_victims(self, entries: tuple[Entry, ...]) -> list[Entry]:
         idle = [e for e in entries if not e.busy]
@@ -72,7 +110,8 @@ class Flow:
         headroom = snapshot.headroom_bytes
         victims: list[Entry] | None = None  # ranked only if a prefetch needs room
         evicted: set[int] = set()
-        for candidate in snapshot.upcoming[: self.prefetch_limit]:
+        window = self.window(snapshot)
+        for candidate in window:
             if headroom is None or candidate.nbytes <= headroom:
                 actions.append(Action("prefetch", candidate.key))
                 if headroom is not None:

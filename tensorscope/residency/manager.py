@@ -50,6 +50,7 @@ from tensorscope.residency.disk import DiskTier
 from tensorscope.residency.ledger import Ledger
 from tensorscope.residency.movers import Movers
 from tensorscope.residency.oppath import OpPath
+from tensorscope.residency.pace import Pace
 from tensorscope.residency.placement import Placement
 from tensorscope.residency.prefetch import Prefetcher
 from tensorscope.residency.report import ResidencyReport, TierReport, Transfers
@@ -99,6 +100,7 @@ class ResidencyManager:
         self._copy_stream: torch.cuda.Stream | None = None
         self._movers: Movers | None = None
         self._prefetcher: Prefetcher | None = None
+        self.pace = Pace()  # measured read rate and compute clock (Flow's prefetch depth)
         self.ledger = Ledger()
         self._recorders: dict[int, Recorder] = {}
         self.clock = 0
@@ -255,6 +257,7 @@ class ResidencyManager:
                 len(in_checkpoint),
                 sum(p.nbytes for p in in_checkpoint),
                 self.converted,
+                self.pace.read_rate,
             )
             if reset:
                 ledger.reset_counters()
@@ -439,6 +442,9 @@ class ResidencyManager:
         source = placement.tier
         seconds = movers.promote(placement)
         self.ledger.moved(placement, source, seconds)
+        if source == "disk":  # the op waits for these bytes
+            self.pace.stalled(seconds)
+            self.pace.read(placement.nbytes, seconds)
 
     def prefetch(self, placement: Placement) -> None:
         """Account a placement as resident now; its bytes arrive in the background (pages
@@ -453,7 +459,7 @@ class ResidencyManager:
             return
         else:
             if self._prefetcher is None:
-                self._prefetcher = Prefetcher()
+                self._prefetcher = Prefetcher(self.pace)
             placement.pending = threading.Event()
             placement.tier = "device"
             self._prefetcher.submit(placement, placement.pending)

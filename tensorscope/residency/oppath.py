@@ -10,6 +10,7 @@ that fit (``split.py``).
 
 from __future__ import annotations
 
+import time
 from collections.abc import Hashable, Iterable
 from typing import TYPE_CHECKING, Any
 
@@ -199,11 +200,14 @@ class OpPath:
             manager.in_flight += 1
             recorder = manager.recorder()
             iterations = recorder.iterations
-            recorder.record(func, tuple(p.role for p in operands))
+            recorder.record(func, tuple(p.role for p in operands), manager.pace.clock())
             if recorder.iterations != iterations:
                 manager.iteration_end()  # a repeated forward began a new iteration
-        for placement in operands:
-            placement.wait()
+        if any(placement.pending is not None for placement in operands):
+            started = time.perf_counter()
+            for placement in operands:
+                placement.wait()
+            manager.pace.stalled(time.perf_counter() - started)
         return estimate
 
     def _make_resident(
@@ -291,7 +295,9 @@ class OpPath:
                 wants = getattr(policy, "wants_snapshot_after_op", True)
                 snapshot = None
                 if wants:
-                    snapshot = room.snapshot(ledger, manager.recorder(), budget, clock, True)
+                    snapshot = room.snapshot(
+                        ledger, manager.recorder(), budget, clock, True, manager.pace.read_rate
+                    )
                 view = OpView(
                     str(func),
                     tuple(p.uid for p in operands),

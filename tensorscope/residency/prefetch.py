@@ -7,7 +7,9 @@ disk serves requests in parallel), and Flow went from 1.69x to 1.30x plain on
 from __future__ import annotations
 
 import threading
+import time
 
+from tensorscope.residency.pace import Pace
 from tensorscope.residency.placement import Placement
 
 __all__ = ["Prefetcher"]
@@ -16,9 +18,10 @@ __all__ = ["Prefetcher"]
 class Prefetcher:
     """Daemon threads mapping pages in (CPU) while the main thread computes."""
 
-    def __init__(self, threads: int = 2) -> None:
+    def __init__(self, pace: Pace, threads: int = 2) -> None:
         import queue
 
+        self._pace = pace
         self._queue: queue.SimpleQueue[tuple[Placement, threading.Event] | None] = (
             queue.SimpleQueue()
         )
@@ -41,7 +44,9 @@ class Prefetcher:
             try:
                 region = placement.region
                 if region is not None:
+                    started = time.perf_counter()
                     region.populate(write=placement.written)
+                    self._pace.read(placement.nbytes, time.perf_counter() - started)
             except Exception:
                 # A prefetch is only a head start: pages it did not map fault in when the op
                 # reads them, and the op path checks the file first (a truncated one raises

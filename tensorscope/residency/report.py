@@ -38,6 +38,9 @@ class ResidencyReport:
     checkpoint_placements: int = 0
     checkpoint_bytes: int = 0
     converted: int = 0
+    # The disk tier's measured read rate, bytes/s (None until a read was timed): Flow's
+    # prefetch depth follows it (policies/flow.py).
+    read_rate: float | None = None
 
     @property
     def peak_bytes(self) -> int:
@@ -60,6 +63,8 @@ class ResidencyReport:
             f"  transfers: {t.count} moves, {format_bytes(t.bytes)} in {t.seconds:.3f} s; "
             f"{self.prefetches} prefetched"
         )
+        if self.read_rate is not None:
+            lines.append(f"  disk reads measured at {self.read_rate / 1e9:.2f} GB/s")
         if self.checkpoint_placements or self.converted:
             lines.append(
                 f"  checkpoint: {self.checkpoint_placements} tensors "

@@ -22,7 +22,12 @@ class Blocked(Exception):
 
 
 def snapshot(
-    ledger: Ledger, recorder: Recorder, budget: int | None, clock: int, upcoming: bool = False
+    ledger: Ledger,
+    recorder: Recorder,
+    budget: int | None,
+    clock: int,
+    upcoming: bool = False,
+    read_rate: float | None = None,
 ) -> Snapshot:
     """What a policy decides from: the device-resident placements (built lazily), and the
     placements the previous iteration used next that are not resident (``upcoming``)."""
@@ -40,11 +45,13 @@ def snapshot(
         for role in recorder.upcoming(32):
             p = ledger.by_role.get(role)
             if p is not None and p.tier != "device":
-                wanted.append(
-                    Entry(p.uid, p.nbytes, p.tier, p.last_use, recorder.next_use(role), False)
-                )
+                index = recorder.next_use(role)
+                eta = None if index is None else recorder.seconds_until(index)
+                wanted.append(Entry(p.uid, p.nbytes, p.tier, p.last_use, index, False, eta))
         ahead = tuple(wanted)
-    return Snapshot(budget, ledger.device_total, clock, None, ahead, make_entries=entries)
+    return Snapshot(
+        budget, ledger.device_total, clock, None, ahead, make_entries=entries, read_rate=read_rate
+    )
 
 
 def victims(

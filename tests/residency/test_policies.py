@@ -62,6 +62,44 @@ def test_flow_prefetches_at_most_prefetch_limit_placements_after_an_op() -> None
     assert [a.key for a in Flow(prefetch_limit=1).after_op(OpView("mm", (), (), snap))] == [10]
 
 
+def _paced(etas: list[float], nbytes: int = 100, tier: str = "disk") -> tuple[Entry, ...]:
+    return tuple(Entry(k, nbytes, tier, 0, k, False, eta) for k, eta in enumerate(etas, 10))
+
+
+def test_flow_prefetches_as_far_ahead_as_the_measured_pace_requires() -> None:
+    """A placement is asked for now when the disk needs more than half the compute time left
+    until its use to deliver it and what comes before it (100 bytes each here)."""
+    etas = [0.1, 0.2, 0.3, 5.0, 6.0, 7.0]
+    slow = Snapshot(10_000, 0, 1, (), _paced(etas), read_rate=100.0)  # 1 s per placement
+    fast = Snapshot(10_000, 0, 1, (), _paced(etas), read_rate=1e6)  # a warm page cache
+    assert [e.key for e in Flow().window(slow)] == [10, 11, 12, 13, 14, 15]
+    assert [e.key for e in Flow().window(fast)] == [10]  # the next one only
+    # 200 bytes/s: the 4th (400 bytes queued, 4 s of reading) is due in 5 s: it can wait.
+    medium = Snapshot(10_000, 0, 1, (), _paced(etas), read_rate=200.0)
+    assert [e.key for e in Flow().window(medium)] == [10, 11, 12]
+    # Nothing measured yet: 4 placements; a fixed limit ignores the pace.
+    unmeasured = Snapshot(10_000, 0, 1, (), _paced(etas))
+    assert len(Flow().window(unmeasured)) == 4
+    assert len(Flow(prefetch_limit=2).window(slow)) == 2
+
+
+def test_flow_prefetches_the_paced_window_within_the_budget() -> None:
+    snap = Snapshot(400, 100, 1, (), _paced([0.1] * 6), read_rate=100.0)
+    actions = Flow().after_op(OpView("mm", (), (), snap))
+    # All six are due (the disk is slow), 300 bytes of headroom: three fit, nothing to evict.
+    assert actions == [Action("prefetch", k) for k in (10, 11, 12)]
+
+
+def test_recorder_times_the_previous_iteration() -> None:
+    recorder = Recorder()
+    for it in range(2):
+        for index, name in enumerate(["embed", "mm", "mm2", "add", "sum"]):
+            recorder.record(name, (name,), at=100.0 * it + index)
+    recorder.record("embed", ("embed",), at=300.0)  # a third iteration starts
+    assert recorder.seconds_until(3) == 3.0  # op 3 came 3 s after op 0 last time
+    assert recorder.seconds_until(0) is None  # not ahead
+
+
 def test_flow_without_a_prediction_does_nothing_after_ops() -> None:
     assert Flow().after_op(OpView("mm", (1,), (2,), Snapshot(10, 0, 0, ()))) == []
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import threading
 from typing import Any
 
+from tensorscope.residency.pace import Pace
 from tensorscope.residency.prefetch import Prefetcher
 
 
@@ -36,7 +37,7 @@ def _two_populated_at_once(prefetcher: Prefetcher) -> None:
 
 
 def test_two_placements_are_populated_concurrently() -> None:
-    prefetcher = Prefetcher()
+    prefetcher = Prefetcher(Pace())
     try:
         _two_populated_at_once(prefetcher)
     finally:
@@ -48,7 +49,7 @@ def test_a_failed_populate_releases_its_waiter_and_the_threads_live_on() -> None
         def populate(self, write: bool) -> None:
             raise OSError("unreadable")
 
-    prefetcher = Prefetcher()
+    prefetcher = Prefetcher(Pace())
     try:
         for _ in range(3):  # more failures than threads: a dead thread would hang the third
             placement: Any = _Placement(Failing())  # type: ignore[arg-type]
