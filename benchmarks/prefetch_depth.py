@@ -1,10 +1,11 @@
 """Flow's prefetch depth: the measured pace (the default) against fixed counts, side by side.
 
-One process, one checkpoint made by ``bigger_than_ram.py`` (``--dir``), the variants interleaved
-round by round (the order reversed every other round) so that drift of the machine hits them
-alike. Each run builds the model on the meta device, ``ts.manage(model, checkpoint=...)`` with a
-fresh manager, and times the first forward (nothing recorded yet: no prediction) and two steady
-forwards, evicting the checkpoint from the page cache before each (a model larger than RAM).
+One checkpoint made by ``bigger_than_ram.py`` (``--dir``), the variants interleaved round by round
+(the order reversed every other round) so that drift of the machine hits them alike. Each run is
+a fresh process: it builds the model on the meta device, ``ts.manage(model, checkpoint=...)``,
+and times the first forward (nothing recorded yet: no prediction) and two steady forwards,
+evicting the checkpoint from the page cache before each (a model larger than RAM). It exits
+without ``remove()``, which would need the whole model in RAM.
 
     python benchmarks/bigger_than_ram.py --quick --skip-accelerate --policies flow  # makes it
     python benchmarks/prefetch_depth.py --dir /tmp/tensorscope-bigger-than-ram-quick \\
@@ -18,7 +19,10 @@ spread between variants is the machine's noise.
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -34,23 +38,45 @@ import tensorscope as ts
 VARIANTS: dict[str, int | None] = {"paced (default)": None, "fixed 4": 4, "fixed 1": 1}
 
 
-def one_run(directory: str, budget: str, limit: int | None, ids: torch.Tensor) -> list[float]:
+def one_run(directory: str, budget: str, limit: int | None, threads: int) -> list[float]:
+    """Times of the first and two steady forwards (in this process; see ``run_child``)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
+    torch.set_num_threads(threads)
     config = AutoConfig.from_pretrained(directory)
+    ids = torch.randint(0, config.vocab_size, (1, 32), generator=torch.Generator().manual_seed(1))
+    torch.randn(256, 256) @ torch.randn(256, 256)  # load the BLAS before the clock runs
     with ts.empty_init():
         model = AutoModelForCausalLM.from_config(config).eval()
     ts.residency.configure(device="cpu", policy=ts.Flow(prefetch_limit=limit), budget=budget)
+    ts.manage(model, checkpoint=directory)
     times = []
-    try:
-        with ts.manage(model, checkpoint=directory), torch.no_grad():
-            for _ in range(3):
-                evict_page_cache(directory)
-                started = time.perf_counter()
-                model(ids)
-                times.append(time.perf_counter() - started)
-    finally:
-        ts.residency.reset()
+    with torch.no_grad():
+        for _ in range(3):
+            evict_page_cache(directory)
+            started = time.perf_counter()
+            model(ids)
+            times.append(time.perf_counter() - started)
+    return times
+
+
+def run_child(args: argparse.Namespace, limit: int | None) -> list[float]:
+    command = [
+        sys.executable,
+        __file__,
+        "--dir",
+        args.dir,
+        "--budget",
+        args.budget,
+        "--threads",
+        str(args.threads),
+        "--child",
+        "none" if limit is None else str(limit),
+    ]
+    done = subprocess.run(command, capture_output=True, text=True, check=False)
+    if done.returncode != 0:
+        raise SystemExit(f"a run failed:\n{done.stderr[-3000:]}")
+    times: list[float] = json.loads(done.stdout.strip().splitlines()[-1])
     return times
 
 
@@ -60,20 +86,19 @@ def main() -> int:
     parser.add_argument("--budget", default="256MiB", help="the residency budget")
     parser.add_argument("--rounds", type=int, default=4, help="runs of each variant")
     parser.add_argument("--threads", type=int, default=2, help="torch threads")
+    parser.add_argument("--child", help=argparse.SUPPRESS)  # one run: "none" or a fixed limit
     args = parser.parse_args()
-    torch.set_num_threads(args.threads)
-    from transformers import AutoConfig
-
-    vocab = AutoConfig.from_pretrained(args.dir).vocab_size
-    ids = torch.randint(0, vocab, (1, 32), generator=torch.Generator().manual_seed(1))
-    one_run(args.dir, args.budget, None, ids)  # warm-up: kernels, allocator, imports
+    if args.child is not None:
+        limit = None if args.child == "none" else int(args.child)
+        print(json.dumps(one_run(args.dir, args.budget, limit, args.threads)), flush=True)
+        os._exit(0)  # no remove(): it would bring the whole model into RAM
     results: dict[str, dict[str, list[float]]] = {
         name: {"first": [], "steady": []} for name in VARIANTS
     }
     for r in range(args.rounds):
         order = list(VARIANTS) if r % 2 == 0 else list(reversed(VARIANTS))
         for name in order:
-            first, *steady = one_run(args.dir, args.budget, VARIANTS[name], ids)
+            first, *steady = run_child(args, VARIANTS[name])
             results[name]["first"].append(first)
             results[name]["steady"].extend(steady)
             print(f"round {r} {name:16s} first {first:.2f} s, steady {steady}", flush=True)
