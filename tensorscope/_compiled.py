@@ -32,7 +32,7 @@ import torch
 
 from tensorscope._sites import caller_site
 from tensorscope._state import register_ref
-from tensorscope._thread import CURRENT_SCOPE, thread_state
+from tensorscope._thread import CURRENT_SCOPE, owning_scope, thread_state
 from tensorscope._torch import tracing
 from tensorscope.ref import TensorRef
 
@@ -65,10 +65,7 @@ def _own(out: Any, args: Sequence[Any]) -> None:
     if not fresh:
         return
     state = thread_state()
-    if state.scope_users == 0 or state.popped_for is not None or state.unowned_depth:
-        return
-    scope = CURRENT_SCOPE.get()
-    scope = scope.resolve() if scope is not None else None
+    scope = owning_scope(state)
     if scope is None or tracing():
         return
     inputs = {id(arg) for arg in args}

@@ -41,7 +41,7 @@ from tensorscope._engine import FAST
 from tensorscope._sites import NOT_OWNED, Site, capture_site, site_verdicts, user_site
 from tensorscope._slot import ACTIVE
 from tensorscope._state import STATES, Counters, Owner, RefState, on_ref_death, register_ref
-from tensorscope._thread import CURRENT_SCOPE, ThreadState, thread_state
+from tensorscope._thread import CURRENT_SCOPE, ThreadState, owning_scope, thread_state
 from tensorscope._torch import (
     ACCUMULATE_GRAD,
     ORIGINAL_FROMBUFFER,
@@ -384,11 +384,9 @@ def _skip_our_frames_in_dynamo() -> None:
 @functools.wraps(ORIGINAL_FROMBUFFER)
 def _frombuffer(*args: Any, **kwargs: Any) -> torch.Tensor:
     out = ORIGINAL_FROMBUFFER(*args, **kwargs)
-    state = thread_state()
-    owning = state.scope_users > 0 and state.popped_for is None and not state.unowned_depth
-    if owning and type(out) is torch.Tensor:
-        scope = CURRENT_SCOPE.get()
-        scope = scope.resolve() if scope is not None else None
+    if type(out) is torch.Tensor:
+        state = thread_state()
+        scope = owning_scope(state)
         if scope is not None:
             adopt(out, scope, state.counters)
     return out

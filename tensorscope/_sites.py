@@ -124,9 +124,10 @@ def site_verdicts() -> tuple[dict[CodeType, int], Any]:
     return _verdicts, _classify
 
 
-def capture_site(skip: int = 1) -> Site | NotOwned:
+def capture_site(skip: int = 1, *, through_state_makers: bool = False) -> Site | NotOwned:
     """The innermost user frame's site, skipping ``skip`` frames; ``NOT_OWNED`` when a state
-    maker (see the NOTE above) called the op."""
+    maker (see the NOTE above) called the op, unless ``through_state_makers``: then state makers
+    are walked past like any torch frame."""
     frame: FrameType | None = sys._getframe(skip + 1)
     lookup = _by_id.get
     while frame is not None:
@@ -136,7 +137,7 @@ def capture_site(skip: int = 1) -> Site | NotOwned:
             verdict = _classify(code)
         if verdict == _USER:
             return (code, frame.f_lasti)
-        if verdict == _STATE_MAKER:
+        if verdict == _STATE_MAKER and not through_state_makers:
             return NOT_OWNED
         frame = frame.f_back
     return None
@@ -152,17 +153,9 @@ def caller_site(skip: int = 1) -> Site:
     """The innermost user frame's site, skipping ``skip`` frames and every torch frame, state
     makers included: for code that torch's machinery runs on the user's behalf (the compiled
     graphs of _compiled.py run under torch._dynamo's frames)."""
-    frame: FrameType | None = sys._getframe(skip + 1)
-    lookup = _by_id.get
-    while frame is not None:
-        code = frame.f_code
-        verdict = lookup(id(code))
-        if verdict is None:
-            verdict = _classify(code)
-        if verdict == _USER:
-            return (code, frame.f_lasti)
-        frame = frame.f_back
-    return None
+    site = capture_site(skip + 1, through_state_makers=True)
+    assert not isinstance(site, NotOwned)  # never, when walking through state makers
+    return site
 
 
 def site_file_line(site: Site) -> tuple[str, int] | None:

@@ -227,6 +227,16 @@ def thread_state() -> ThreadState:
     return _local.state
 
 
+def owning_scope(state: ThreadState) -> Owner | None:
+    """The scope that owns what creators outside the dispatcher (``torch.frombuffer``, compiled
+    graphs) make on ``state``'s thread right now: the open current scope, unless the mode is
+    popped or an optimizer region runs (the rules of the table above); else None."""
+    if state.scope_users == 0 or state.popped_for is not None or state.unowned_depth:
+        return None
+    scope = CURRENT_SCOPE.get()
+    return scope.resolve() if scope is not None else None
+
+
 def _reset_after_fork() -> None:
     """In a child process (a DataLoader worker forked inside a scope): start with no scope open,
     the mode popped and no residency routing; what the child makes is its own, as in plain
