@@ -2,10 +2,12 @@
 future, prefetch what comes next.
 
 Next uses are predicted from the previous iteration (recorded op by op, as DeepSpeed ZeRO-3
-records module order on its first step); with no prediction yet, Flow evicts the least recently
-used placement and prefetches nothing. Prefetching takes free headroom first, then evicts only
-placements whose next use is farther than the prefetched one's (Belady's rule), so a prefetch
-never pushes out something needed sooner.
+records module order on its first step). Before one is recorded, the manager guesses them from
+the order ``ts.manage()`` met the weights (``graph/order.py``): the weights after the last one
+used come next, those used already are not needed again. Prefetching takes free headroom first,
+then evicts only placements whose next use is farther than the prefetched one's (Belady's rule),
+so a prefetch never pushes out something needed sooner; with no next use known, the least
+recently used placement goes first.
 """
 
 from __future__ import annotations

@@ -42,6 +42,7 @@ from tensorscope.errors import (
     OutOfBudgetError,
     ResidencyError,
 )
+from tensorscope.graph.order import ModuleOrder
 from tensorscope.graph.record import Recorder
 from tensorscope.policies import Action, Flow, Policy
 from tensorscope.residency import config, room
@@ -103,6 +104,7 @@ class ResidencyManager:
         self.pace = Pace()  # measured read rate and compute clock (Flow's prefetch depth)
         self.ledger = Ledger()
         self._recorders: dict[int, Recorder] = {}
+        self.order = ModuleOrder()  # next uses guessed before an iteration is recorded
         self.clock = 0
         self.in_flight = 0  # ops between before() and after(), on all threads
         self._since_sweep = 0
@@ -330,8 +332,10 @@ class ResidencyManager:
         if region is not None and self._disk is not None:
             # Nothing uses its memory any more (the storage died, or has other memory now).
             self._disk.release(region, reusable=True)
-        if not self.ledger.placements and self._threads:
-            self._detach_threads()
+        if not self.ledger.placements:
+            self.order.clear()
+            if self._threads:
+                self._detach_threads()
 
     def sweep(self, keys: Iterable[int] | None = None) -> None:
         """Forget placements whose storage nothing but the placement still holds."""
@@ -404,6 +408,7 @@ class ResidencyManager:
             self.iteration_end()
 
     def iteration_end(self) -> None:
+        self.order.restart()
         self.sweep()
         self.release_heap()
 
@@ -490,7 +495,7 @@ class ResidencyManager:
             if shortfall <= 0:
                 return
             for placement in room.victims(
-                ledger, self._policy, self.recorder(), budget, self.clock, shortfall
+                ledger, self._policy, self.recorder(), budget, self.clock, shortfall, self.order
             ):
                 if placement.tier == "device" and not placement.pins:
                     self.demote_placement(placement)
@@ -535,6 +540,7 @@ class ResidencyManager:
                 if nbytes <= budget:
                     self.make_room(nbytes, "ts.manage()")
             placement = self.register(tensor, role=role)
+            self.order.add(placement.role, placement.nbytes)
             if budget is not None and placement.nbytes > budget:
                 self.demote_placement(placement)
             return placement
@@ -593,6 +599,7 @@ class ResidencyManager:
                 placement.region = region
                 placement.tier = "disk"
                 self.add(placement)
+            self.order.add(placement.role, placement.nbytes)
             self.attach_thread()
             return tensor, placement
 
@@ -647,6 +654,7 @@ class ResidencyManager:
             self.sweep()
             self.ledger = Ledger()
             self._recorders.clear()
+            self.order.clear()
             self.ops.clear_cache()
             if self._threads:
                 self._detach_threads()

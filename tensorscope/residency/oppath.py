@@ -200,9 +200,11 @@ class OpPath:
             manager.in_flight += 1
             recorder = manager.recorder()
             iterations = recorder.iterations
-            recorder.record(func, tuple(p.role for p in operands), manager.pace.clock())
+            roles = tuple(p.role for p in operands)
+            recorder.record(func, roles, manager.pace.clock())
             if recorder.iterations != iterations:
                 manager.iteration_end()  # a repeated forward began a new iteration
+            manager.order.advance(roles)  # kept current: a trace may diverge at any op
         if any(placement.pending is not None for placement in operands):
             started = time.perf_counter()
             for placement in operands:
@@ -296,7 +298,13 @@ class OpPath:
                 snapshot = None
                 if wants:
                     snapshot = room.snapshot(
-                        ledger, manager.recorder(), budget, clock, True, manager.pace.read_rate
+                        ledger,
+                        manager.recorder(),
+                        budget,
+                        clock,
+                        True,
+                        manager.pace.read_rate,
+                        manager.order,
                     )
                 view = OpView(
                     str(func),

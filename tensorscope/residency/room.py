@@ -7,8 +7,9 @@ chosen: its bytes are being read or written right now.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Hashable, Iterator
 
+from tensorscope.graph.order import ModuleOrder
 from tensorscope.graph.record import Recorder
 from tensorscope.policies import Entry, Policy, Snapshot
 from tensorscope.residency.ledger import Ledger
@@ -28,25 +29,36 @@ def snapshot(
     clock: int,
     upcoming: bool = False,
     read_rate: float | None = None,
+    order: ModuleOrder | None = None,
 ) -> Snapshot:
     """What a policy decides from: the device-resident placements (built lazily), and the
-    placements the previous iteration used next that are not resident (``upcoming``)."""
+    placements used next that are not resident (``upcoming``). Next uses come from the
+    previous iteration; while it predicts nothing, from ``order`` (see graph/order.py)."""
     resident = list(ledger.resident.values())
+    guess = None if recorder.predicting or order is None or not len(order) else order
+    position = recorder.position
+
+    def next_use(role: Hashable) -> int | None:
+        if guess is None:
+            return recorder.next_use(role)
+        distance = guess.distance(role)
+        return None if distance is None else position + distance
 
     def entries() -> tuple[Entry, ...]:
         return tuple(
-            Entry(p.uid, p.nbytes, p.tier, p.last_use, recorder.next_use(p.role), p.pins > 0)
+            Entry(p.uid, p.nbytes, p.tier, p.last_use, next_use(p.role), p.pins > 0)
             for p in resident
         )
 
     ahead: tuple[Entry, ...] = ()
-    if upcoming and recorder.predicting:
+    if upcoming and (guess is not None or recorder.predicting):
+        roles = recorder.upcoming(32) if guess is None else guess.upcoming(32)
         wanted = []
-        for role in recorder.upcoming(32):
+        for role in roles:
             p = ledger.by_role.get(role)
             if p is not None and p.tier != "device":
-                index = recorder.next_use(role)
-                eta = None if index is None else recorder.seconds_until(index)
+                index = next_use(role)
+                eta = None if index is None or guess is not None else recorder.seconds_until(index)
                 wanted.append(Entry(p.uid, p.nbytes, p.tier, p.last_use, index, False, eta))
         ahead = tuple(wanted)
     return Snapshot(
@@ -55,13 +67,19 @@ def snapshot(
 
 
 def victims(
-    ledger: Ledger, policy: Policy, recorder: Recorder, budget: int, clock: int, shortfall: int
+    ledger: Ledger,
+    policy: Policy,
+    recorder: Recorder,
+    budget: int,
+    clock: int,
+    shortfall: int,
+    order: ModuleOrder | None = None,
 ) -> Iterator[Placement]:
     """Device placements to demote, in order, until ``shortfall`` bytes are freed: the
     policy's choice first, then (the budget is a hard limit) the least recently used of the
     rest. The caller stops iterating once it has room."""
     chosen: set[int] = set()
-    for key in policy.evict(snapshot(ledger, recorder, budget, clock), shortfall):
+    for key in policy.evict(snapshot(ledger, recorder, budget, clock, order=order), shortfall):
         placement = ledger.by_uid.get(key)
         if placement is None or placement.tier != "device" or placement.pins or key in chosen:
             continue

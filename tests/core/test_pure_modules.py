@@ -27,6 +27,7 @@ PURE = [
     "tensorscope.policies.flow",
     "tensorscope.graph",
     "tensorscope.graph.analysis",
+    "tensorscope.graph.order",
     "tensorscope.graph.record",
 ]
 
