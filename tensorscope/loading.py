@@ -122,7 +122,7 @@ def load_checkpoint(
             _copy_into(slot.tensor, entry)
             continue
         tensor, placement = manager.place_stored(
-            entry, slot.tensor.dtype, (role_prefix, slot.names[0])
+            entry, slot.tensor.dtype, (role_prefix, slot.names[0]), parameter=slot.is_param
         )
         if slot.is_param:
             param_class: Any = type(slot.tensor)  # nn.Parameter or a subclass of it

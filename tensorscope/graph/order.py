@@ -8,10 +8,13 @@ them in that order (embedding, then layer after layer, then the head). So the we
 last one used are the guess for what comes next: Flow may read them ahead, and keeps them
 rather than weights already used.
 
-The guess only moves forward within an iteration (a backward pass uses the weights in reverse:
-it then predicts nothing rather than something wrong), and weights smaller than ``min_bytes``
-take no part (a norm's weight is read in microseconds, and modules register theirs after the
-projections they follow). Pure Python: keys are opaque hashables.
+Parameters only: buffers are used out of module order (BERT's position ids come first, though
+registered after every parameter). The guess only moves forward within an iteration (a backward
+pass uses the weights in reverse: it then predicts nothing rather than something wrong), and
+weights smaller than ``min_bytes`` take no part (a norm's weight is read in microseconds, and
+modules register theirs after the projections they follow).
+
+Pure Python: keys are opaque hashables.
 """
 
 from __future__ import annotations

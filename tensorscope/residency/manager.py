@@ -437,6 +437,14 @@ class ResidencyManager:
             return
         seconds = self.movers().demote(placement, target)  # raises before changing anything
         self.ledger.moved(placement, source, seconds)
+        region = placement.region
+        if (
+            region is not None
+            and region.readonly
+            and self._device.type == "cpu"
+            and self.disk.streams(self._budget or 0)
+        ):
+            region.uncache()  # see the NOTE in DiskTier.streams
         self.release_heap()
 
     def promote_placement(self, placement: Placement) -> None:
@@ -540,7 +548,8 @@ class ResidencyManager:
                 if nbytes <= budget:
                     self.make_room(nbytes, "ts.manage()")
             placement = self.register(tensor, role=role)
-            self.order.add(placement.role, placement.nbytes)
+            if isinstance(tensor, torch.nn.Parameter):  # buffers are used out of module order
+                self.order.add(placement.role, placement.nbytes)
             if budget is not None and placement.nbytes > budget:
                 self.demote_placement(placement)
             return placement
@@ -567,11 +576,13 @@ class ResidencyManager:
             self.sweep()
 
     def place_stored(
-        self, stored: StoredTensor, dtype: torch.dtype, role: Hashable
+        self, stored: StoredTensor, dtype: torch.dtype, role: Hashable, parameter: bool = True
     ) -> tuple[torch.Tensor, Placement]:
         """A tensor holding a checkpoint's stored value, managed on the disk tier: its memory
         is the checkpoint file itself when the dtypes agree (no copy), else an offload file
-        holding the value converted once (see checkpoint_files.py's NOTE)."""
+        holding the value converted once (see checkpoint_files.py's NOTE). Parameters take part
+        in the first iteration's guess (``self.order``); buffers are used out of module order
+        (a position-id buffer first, though registered last)."""
         with self._lock:
             disk = self.disk
             region = disk.checkpoint_region(stored.path, stored.offset, stored.nbytes)
@@ -599,7 +610,8 @@ class ResidencyManager:
                 placement.region = region
                 placement.tier = "disk"
                 self.add(placement)
-            self.order.add(placement.role, placement.nbytes)
+            if parameter:
+                self.order.add(placement.role, placement.nbytes)
             self.attach_thread()
             return tensor, placement
 

@@ -10,6 +10,7 @@ bytes stay in the page cache and the file. Page-granular calls cover the pages a
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import ctypes.util
 import errno
@@ -29,6 +30,7 @@ _MADV_DONTNEED = 4
 _MADV_REMOVE = 9
 _MADV_POPULATE_READ = 22
 _MADV_POPULATE_WRITE = 23
+_FADV_DONTNEED = getattr(os, "POSIX_FADV_DONTNEED", 4)
 
 _libc = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
 _libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
@@ -155,6 +157,14 @@ class DiskRegion:
     def drop(self) -> None:
         """Unmap the region's pages: RSS falls, the bytes stay in the page cache and the file."""
         madvise(*self._pages(), _MADV_DONTNEED)
+
+    def uncache(self) -> None:
+        """Drop the region's pages from the kernel's page cache as well (``POSIX_FADV_DONTNEED``:
+        clean pages no process maps; the next read comes from the disk)."""
+        start = self.offset - self.offset % PAGE
+        # Advice only: if refused, the pages stay cached and the kernel reclaims them later.
+        with contextlib.suppress(OSError):
+            os.posix_fadvise(self.file.fd, start, self.offset + self.length - start, _FADV_DONTNEED)
 
     def discard(self, inside: int) -> None:
         """Drop the region's pages and free the disk blocks of its first ``inside`` bytes."""

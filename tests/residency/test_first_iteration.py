@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 import torch
 from safetensors.torch import save_file
 from torch import nn
@@ -47,14 +48,10 @@ def _stack(path: Path) -> tuple[torch.Tensor, torch.Tensor]:
         return x, model(x)
 
 
-def _first_forward_tiers(
-    path: Path, x: torch.Tensor, guess: bool
-) -> tuple[list[str], torch.Tensor, int]:
+def _first_forward_tiers(path: Path, x: torch.Tensor) -> tuple[list[str], torch.Tensor, int]:
     """The tier of each layer's weight as its layer begins, during the first forward."""
     manager = ts.residency
     manager.configure(device="cpu", policy="flow", budget=int(3.5 * MiB))
-    if not guess:
-        manager.order.min_bytes = 1 << 62  # no weight qualifies: no guess
     with ts.empty_init():
         model = nn.Sequential(*(nn.Linear(512, 512) for _ in range(6)))
     tiers: list[str] = []
@@ -74,20 +71,20 @@ def _first_forward_tiers(
 def test_the_first_forward_reads_the_next_layers_ahead(tmp_path: Path) -> None:
     path = tmp_path / "stack.safetensors"
     x, expected = _stack(path)
-    tiers, out, prefetched = _first_forward_tiers(path, x, guess=True)
+    tiers, out, prefetched = _first_forward_tiers(path, x)
     torch.testing.assert_close(out, expected, rtol=0, atol=0)
     assert tiers[0] == "disk"  # nothing used yet: the first weight is read when needed
     assert tiers[1:] == ["device"] * 5, tiers  # each next one was read ahead
     assert prefetched >= 5
 
 
-def test_without_the_guess_each_weight_waits_for_its_op(tmp_path: Path) -> None:
+def test_without_the_guess_each_weight_waits_for_its_op(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     path = tmp_path / "stack.safetensors"
     x, expected = _stack(path)
-    try:
-        tiers, out, prefetched = _first_forward_tiers(path, x, guess=False)
-    finally:
-        ts.residency.order.min_bytes = 1 << 20
+    monkeypatch.setattr(ts.residency.order, "min_bytes", 1 << 62)  # no weight qualifies
+    tiers, out, prefetched = _first_forward_tiers(path, x)
     torch.testing.assert_close(out, expected, rtol=0, atol=0)
     assert tiers == ["disk"] * 6 and prefetched == 0
 
