@@ -336,7 +336,7 @@ class DiskTier:
         # other files out. Dropped at once, the same few GiB of memory are reused for the next
         # reads. Measured on this machine, a VM whose host takes idle memory back: the first
         # forward of the 25 GiB model after the machine sat idle went from 36-44 s to 12.5-14.3 s,
-        # steady forwards from 13-14 s to 9.8-11.2 s (docs/design.md section 8).
+        # steady forwards from 13.0-15.6 s to 9.8-11.8 s (docs/design.md section 8).
         """
         if self.memory <= 0:  # unknown: leave the page cache to the kernel
             return False

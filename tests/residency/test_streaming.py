@@ -18,33 +18,18 @@ from torch import nn
 import tensorscope as ts
 
 MiB = 1 << 20
-_libc = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
-_libc.mmap.argtypes = [
-    ctypes.c_void_p,
-    ctypes.c_size_t,
-    ctypes.c_int,
-    ctypes.c_int,
-    ctypes.c_int,
-    ctypes.c_long,
-]
-_libc.mmap.restype = ctypes.c_void_p
-_libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
-_libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+_mincore = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True).mincore
+_mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
 
 
 def _cached_pages(path: Path, offset: int, length: int) -> int:
     """How many pages of ``path``'s bytes [offset, offset + length) are in the page cache."""
     size = path.stat().st_size
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        address = _libc.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
-        assert address not in (None, ctypes.c_void_p(-1).value)
-        pages = (size + mmap.PAGESIZE - 1) // mmap.PAGESIZE
-        vector = (ctypes.c_ubyte * pages)()
-        assert _libc.mincore(address, size, vector) == 0
-        _libc.munmap(address, size)
-    finally:
-        os.close(fd)
+    vector = (ctypes.c_ubyte * ((size + mmap.PAGESIZE - 1) // mmap.PAGESIZE))()
+    with open(path, "r+b") as file, mmap.mmap(file.fileno(), 0) as mapping:
+        start = ctypes.c_char.from_buffer(mapping)  # the mapping's address (nothing is written)
+        assert _mincore(ctypes.addressof(start), size, vector) == 0
+        del start  # release the buffer before the mapping closes
     first, last = offset // mmap.PAGESIZE, (offset + length - 1) // mmap.PAGESIZE
     return sum(1 for page in range(first, last + 1) if vector[page] & 1)
 
