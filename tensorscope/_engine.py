@@ -1,12 +1,12 @@
-"""Which scope engine owns op results: the C++ fallback, or the Python dispatch mode.
+"""Which scope engine owns op results: the C++ kernel, or the Python one.
 
-``tensorscope._fast`` is a small C++ extension built at install time with the machine's compiler
-(``setup.py``; see ``csrc/fast.cpp``): a boxed fallback on a dispatch key that sees each
+Both own results on the same dispatch key (DeferredInit, see tensorscope/_adopt.py's NOTE), with
+the same rules. ``tensorscope._fast`` is a small C++ extension built at install time with the
+machine's compiler (``setup.py``; see ``csrc/fast.cpp``): a boxed fallback that sees each
 top-level op and hands only fresh results to Python. Where it could not be built (no compiler),
-or with ``TENSORSCOPE_ENGINE=python``, scopes use the pure-Python ``TorchDispatchMode``
-(``_intercept.Interceptor``), which behaves the same at about four times the cost per op
-(docs/design.md §9). The residency manager always uses the Python mode: it must run around every
-decomposed op.
+or with ``TENSORSCOPE_ENGINE=python``, the same kernel runs in Python (``_fallback.py``), at
+about four times the cost per op (docs/design.md §9). The residency manager always uses its
+Python dispatch mode (``_intercept.Interceptor``): it must run around every decomposed op.
 
 Layer 1: imports only torch.
 """

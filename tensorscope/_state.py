@@ -129,14 +129,13 @@ class Owner:
 class RefState(weakref.ref):  # type: ignore[type-arg]
     """Weak reference to a TensorRef plus everything tensorscope knows about it."""
 
-    __slots__ = ("counters", "disposal", "grad_of", "key", "owner", "site")
+    __slots__ = ("counters", "disposal", "key", "owner", "site")
 
     key: int
     owner: Owner | None
     site: Site
     counters: Counters
     disposal: Disposal | None
-    grad_of: weakref.ref[torch.Tensor] | None
 
 
 STATES: dict[int, RefState] = {}
@@ -179,7 +178,6 @@ def register_ref(
     state.site = site
     state.counters = counters
     state.disposal = None
-    state.grad_of = None
     STATES[key] = state
     if owner is not None:
         owner.adopt(state)

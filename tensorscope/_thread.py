@@ -9,15 +9,17 @@
 # | CURRENT_SCOPE      | innermost scope entered in this thread/task (maybe closed:  | scope.py   |
 # |                    | ``Owner.resolve()`` walks out to the nearest open one)      |            |
 # | counters           | ``ts.stats()``: refs this thread created/disposed/moved     | _state.py  |
-# | mode               | this thread's dispatch mode (``Interceptor``), made once    | _intercept |
+# | mode               | the residency manager's dispatch mode for this thread       | _intercept |
+# |                    | (``Interceptor``), made once                                |            |
 # | pushed             | ``mode`` is on this thread's torch dispatch stack           | here       |
+# | key_on             | the scope engines' key is included on this thread           | here       |
 # | scope_users        | open scopes entered on this thread                          | scope.py   |
 # | residency_users    | 1 while the residency manager routes this thread's ops      | residency  |
 # |                    | (``ts.manage()`` or a demotion ran here; the manager itself |            |
 # |                    | is process-wide: ``_slot.ACTIVE`` while it manages anything)|            |
-# | popped_for         | why ``mode`` is off the stack for a while: "optimizer" (a   | here       |
-# |                    | step: nothing it makes is owned), "backward" (a ref's       |            |
-# |                    | ``backward()``), or None                                    |            |
+# | popped_for         | why ownership is paused (the key excluded; the mode popped  | here       |
+# |                    | unless residency keeps it): "optimizer" (a step: nothing it |            |
+# |                    | makes is owned), "backward" (a ref's ``backward()``), None  |            |
 # | regions            | open ``record_function`` regions seen by the mode; True for | _intercept |
 # |                    | torch.optim's step/zero_grad regions                        |            |
 # | unowned_depth      | > 0 inside such an optimizer region (results not owned)     | _intercept |
@@ -26,13 +28,14 @@
 # | pending            | tensors whose memory a close on another thread disposed;    | ref.py     |
 # |                    | released by this thread at its next op or scope event       |            |
 #
-# Whether an op result becomes a ref owned by a scope is decided, in this order, by: the mode
-# being pushed and not popped (``pushed``, ``popped_for``); the op not mutating its inputs (an
-# in-place op's result is its input); ``unowned_depth == 0``; an open scope
+# Whether an op result becomes a ref owned by a scope is decided, in this order, by: the key
+# being included (``key_on``: a scope open, ownership not paused by ``popped_for``); the op
+# being top-level and not ``detach``/``alias`` (_adopt.py's NOTE); the op not mutating its
+# inputs (an in-place op's result is its input); an open scope
 # (``CURRENT_SCOPE`` resolved); the result being a plain ``torch.Tensor`` that is not one of the
 # op's inputs (no-op conversions under inference mode return their input); no state maker on
 # the call stack (``_sites.NOT_OWNED``); and, for a gradient being made by autograd's
-# AccumulateGrad, the leaf's own owner instead of the current scope.
+# AccumulateGrad, nobody (autograd keeps it).
 #
 # NOTE [TorchScript]
 # TorchScript's graph executor optimises a scripted or traced function on its first calls, and
@@ -67,7 +70,13 @@ import torch
 from tensorscope._engine import FAST
 from tensorscope._slot import ACTIVE
 from tensorscope._state import Counters, Owner
-from tensorscope._torch import jit_optimize, mode_on_top, pop_mode, push_mode
+from tensorscope._torch import (
+    jit_optimize,
+    mode_on_top,
+    pop_mode,
+    push_mode,
+    set_scope_key_included,
+)
 
 if TYPE_CHECKING:
     from torch.utils._python_dispatch import TorchDispatchMode
@@ -106,7 +115,7 @@ class ThreadState:
         self.counters = Counters()
         self.mode: TorchDispatchMode | None = None
         self.pushed = False
-        self.key_on = False  # the C++ engine's dispatch key is included on this thread
+        self.key_on = False  # the scope engines' dispatch key is included on this thread
         self.jit_optimize: bool | None = None  # TorchScript's setting, saved while scopes are open
         self.mode_kept = False  # the mode stays pushed while popped_for (residency needs it)
         self.scope_users = 0
@@ -134,10 +143,10 @@ class ThreadState:
     def _mode_wanted(self) -> bool:
         if self.mode is None or (self.popped_for is not None and not self.mode_kept):
             return False
-        return self.residency_users > 0 or (self.scope_users > 0 and FAST is None)
+        return self.residency_users > 0
 
     def _key_wanted(self) -> bool:
-        return FAST is not None and self.scope_users > 0 and self.popped_for is None
+        return self.scope_users > 0 and self.popped_for is None
 
     def sync(self) -> None:
         """On this thread: push or pop the mode and include or exclude the C++ engine's key as
@@ -154,9 +163,9 @@ class ThreadState:
         self._sync_jit()
         key = self._key_wanted()
         if key != self.key_on:
-            if key:
+            if key and FAST is not None:
                 FAST.bind_thread(self)  # the engine reads this thread's state (csrc/fast.cpp)
-            FAST.set_enabled(key)
+            set_scope_key_included(key)
             self.key_on = key
 
     def _sync_jit(self) -> None:
@@ -245,7 +254,7 @@ def _reset_after_fork() -> None:
     if state.pushed and state.mode is not None and mode_on_top(state.mode):
         pop_mode()
     if state.key_on:
-        FAST.set_enabled(False)
+        set_scope_key_included(False)
         state.key_on = False
     state.pushed = False
     state.mode_kept = False

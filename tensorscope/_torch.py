@@ -16,6 +16,7 @@ from tensorscope._engine import FAST
 __all__ = [
     "ACCUMULATE_GRAD",
     "ORIGINAL_FROMBUFFER",
+    "SCOPE_KEY",
     "cuda_event",
     "cuda_stream",
     "current_autograd_node",
@@ -30,6 +31,8 @@ __all__ = [
     "poison_versions",
     "pop_mode",
     "push_mode",
+    "scope_key_included",
+    "set_scope_key_included",
     "storage_address",
     "storage_use_count",
     "swap_data_ptr",
@@ -52,22 +55,51 @@ ORIGINAL_FROMBUFFER = torch.frombuffer
 no_subclass_function = _C.DisableTorchFunctionSubclass
 
 
+def _find_scope_key() -> Any:
+    """``DispatchKey.DeferredInit``, which torch's Python enum does not name (see _engine.py)."""
+    for value in range(256):
+        try:
+            key = _C.DispatchKey(value)
+        except (TypeError, ValueError):  # pragma: no cover - past the last key
+            break
+        if _C._dispatch_keyset_to_string(_C.DispatchKeySet(key)) == "DispatchKeySet(DeferredInit)":
+            return key
+    raise ImportError("tensorscope: this torch has no DeferredInit dispatch key")
+
+
+# The key both scope engines own results on (csrc/fast.cpp, _pyengine.py): included on a
+# thread while a scope is open there.
+SCOPE_KEY: Any = _find_scope_key()
+_set_included: Any = _C._dispatch_tls_set_dispatch_key_included
+_is_included: Any = _C._dispatch_tls_is_dispatch_key_included
+
+
+def set_scope_key_included(on: bool) -> None:
+    """Include (or exclude) the scope engines' dispatch key on this thread."""
+    _set_included(SCOPE_KEY, on)
+
+
+def scope_key_included() -> bool:
+    """Whether the scope engines' dispatch key is included on this thread."""
+    return bool(_is_included(SCOPE_KEY))
+
+
 class no_dispatch:
-    """Run tensorscope's own tensor work unseen: no Python dispatch mode, and the C++ engine's
-    key excluded on this thread (its results must not become refs)."""
+    """Run tensorscope's own tensor work unseen: no Python dispatch mode, and the scope
+    engines' key excluded on this thread (its results must not become refs)."""
 
     __slots__ = ("_key", "_modes")
 
     def __enter__(self) -> None:
         self._modes = _C._DisableTorchDispatch()
         self._modes.__enter__()
-        self._key = FAST is not None and FAST.is_enabled()
+        self._key = scope_key_included()
         if self._key:
-            FAST.set_enabled(False)
+            set_scope_key_included(False)
 
     def __exit__(self, *exc: object) -> None:
         if self._key:
-            FAST.set_enabled(True)
+            set_scope_key_included(True)
         self._modes.__exit__(*exc)
 
 

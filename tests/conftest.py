@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import tensorscope as ts
-from tensorscope._engine import FAST
+from tensorscope._torch import scope_key_included
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -28,4 +28,4 @@ def _clean_interception_state() -> Iterator[None]:
     gc.collect()
     assert ts.current_scope() is None, "test left a scope open"
     assert torch._C._len_torch_dispatch_stack() == 0, "test left a dispatch mode pushed"
-    assert FAST is None or not FAST.is_enabled(), "test left the C++ engine's key included"
+    assert not scope_key_included(), "test left the scope engines' key included"

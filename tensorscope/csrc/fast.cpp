@@ -7,8 +7,8 @@
 // all inputs (in-place ops, no-op conversions) or wrapped/subclass tensors costs no Python.
 // For the fresh plain results of the others, it finds the creation site (the innermost user
 // frame, as _sites.capture_site does) and, in the common case, makes each result a TensorRef
-// owned by the current scope exactly as _intercept.adopt_at() does (adopt_in_c). The cases with
-// more rules go to the Python hook (_intercept.adopt_result): gradients made inside autograd's
+// owned by the current scope exactly as _adopt.adopt_at() does (adopt_in_c). The cases with
+// more rules go to the Python hook (_adopt.adopt_result): gradients made inside autograd's
 // engine, memory left to release after a cross-thread close, a closed current scope.
 //
 // DeferredInit is a key PyTorch reserves for out-of-tree deferred initialisation (torchdistx);
@@ -58,7 +58,7 @@ PyObject* g_verdicts = nullptr;  // _sites._verdicts: code object -> USER / LIBR
 PyObject* g_classify = nullptr;  // _sites._classify(code): the verdict of a code object not seen yet
 
 constexpr long kUser = 0;
-constexpr long kStateMaker = 2;
+constexpr long kStateMaker = 2;  // (kPackage = 3: see user_site)
 
 bool is_named(const c10::OperatorHandle& op, const char* name) {
   return op.operator_name().name == name;
@@ -132,7 +132,6 @@ struct Slots {
   PyMemberDef* site = nullptr;
   PyMemberDef* counters = nullptr;
   PyMemberDef* disposal = nullptr;
-  PyMemberDef* grad_of = nullptr;
   PyMemberDef* created = nullptr;  // Counters.created_in_scope
 } g_slots;
 
@@ -154,29 +153,41 @@ void set_slot(PyObject* object, PyMemberDef* slot, PyObject* value) {
   if (PyMember_SetOne(reinterpret_cast<char*>(object), slot, value) < 0) throw_python_error();
 }
 
-// Site tuples (code, lasti), made once per place in the code: code objects with a verdict stay
-// alive (see g_verdict_cache), so the key's address is theirs.
+// Site tuples (code, lasti) or (code, lasti, user_code, user_lasti), made once per place in
+// the code: code objects with a verdict stay alive (see g_verdict_cache), so the key's
+// addresses are theirs.
 struct SiteKey {
   const PyObject* code;
   int lasti;
+  const PyObject* user_code;
+  int user_lasti;
   bool operator==(const SiteKey& other) const {
-    return code == other.code && lasti == other.lasti;
+    return code == other.code && lasti == other.lasti && user_code == other.user_code &&
+           user_lasti == other.user_lasti;
   }
 };
 struct SiteKeyHash {
   size_t operator()(const SiteKey& key) const {
-    return std::hash<const void*>()(key.code) ^ (static_cast<size_t>(key.lasti) << 20);
+    return std::hash<const void*>()(key.code) ^ (static_cast<size_t>(key.lasti) << 20) ^
+           (std::hash<const void*>()(key.user_code) << 1) ^
+           (static_cast<size_t>(key.user_lasti) << 40);
   }
 };
 std::unordered_map<SiteKey, PyObject*, SiteKeyHash> g_site_tuples;  // strong references
 
-PyObject* site_tuple(PyObject* code, int lasti) {  // borrowed
+PyObject* site_tuple(PyObject* code, int lasti, PyObject* user_code, int user_lasti) {  // borrowed
   if (code == nullptr) return Py_None;
-  const SiteKey key{code, lasti};
+  const SiteKey key{code, lasti, user_code, user_lasti};
   const auto found = g_site_tuples.find(key);
   if (found != g_site_tuples.end()) return found->second;
   Ref offset(checked(PyLong_FromLong(lasti)));
-  PyObject* site = checked(PyTuple_Pack(2, code, offset.get()));
+  PyObject* site;
+  if (user_code == nullptr) {
+    site = checked(PyTuple_Pack(2, code, offset.get()));
+  } else {
+    Ref user_offset(checked(PyLong_FromLong(user_lasti)));
+    site = checked(PyTuple_Pack(4, code, offset.get(), user_code, user_offset.get()));
+  }
   g_site_tuples.emplace(key, site);
   return site;
 }
@@ -234,95 +245,136 @@ long verdict_of(PyObject* code) {
   return verdict;
 }
 
-// Where user code made the op's results (_sites.capture_site, in C): the innermost user frame's
-// code object (new reference), with *lasti its instruction offset; or nullptr with *lasti = -1
-// when a state maker called the op (the results are not owned), *lasti = 0 when no Python frame
-// is a user frame (torch internals, a thread without Python frames).
+// Where user code made the op's results (_sites.capture_site, in C): the site tuple (borrowed)
+// of the innermost user or package frame — for a package frame, with the user's own frame
+// further out (kUser) when there is one — or None when no Python frame is either (torch
+// internals, a thread without Python frames); *state_maker when a state maker called the op
+// (the results are not owned).
+constexpr long kPackage = 3;
+
 #if PY_VERSION_HEX >= 0x030B0000 && PY_VERSION_HEX < 0x030C0000
 // CPython 3.11: the interpreter's own frames are walked, as PyFrame_GetBack does, without
 // making a frame object for each (that allocation was most of a walk's cost).
-PyObject* user_site(int* lasti) {
-  *lasti = 0;
+int lasti_of(_PyInterpreterFrame* frame) {
+  return _PyInterpreterFrame_LASTI(frame) * static_cast<int>(sizeof(_Py_CODEUNIT));
+}
+
+PyObject* user_site(bool* state_maker) {
+  *state_maker = false;
   _PyInterpreterFrame* frame = PyThreadState_Get()->cframe->current_frame;
   for (; frame != nullptr; frame = frame->previous) {
     if (_PyFrame_IsIncomplete(frame)) continue;
     PyObject* code = reinterpret_cast<PyObject*>(frame->f_code);
     const long verdict = verdict_of(code);
-    if (verdict == kUser) {
-      *lasti = _PyInterpreterFrame_LASTI(frame) * static_cast<int>(sizeof(_Py_CODEUNIT));
-      Py_INCREF(code);
-      return code;
+    if (verdict == kUser) return site_tuple(code, lasti_of(frame), nullptr, 0);
+    if (verdict == kPackage) {
+      for (_PyInterpreterFrame* outer = frame->previous; outer != nullptr;
+           outer = outer->previous) {
+        if (_PyFrame_IsIncomplete(outer)) continue;
+        PyObject* user_code = reinterpret_cast<PyObject*>(outer->f_code);
+        if (verdict_of(user_code) == kUser) {
+          return site_tuple(code, lasti_of(frame), user_code, lasti_of(outer));
+        }
+      }
+      return site_tuple(code, lasti_of(frame), nullptr, 0);
     }
     if (verdict == kStateMaker) {
-      *lasti = -1;
-      return nullptr;
+      *state_maker = true;
+      return Py_None;
     }
   }
-  return nullptr;
+  return Py_None;
 }
 #else
-PyObject* user_site(int* lasti) {
-  *lasti = 0;
+int lasti_of(PyFrameObject* frame) {
+#if PY_VERSION_HEX >= 0x030B0000
+  return PyFrame_GetLasti(frame);
+#else
+  return frame->f_lasti * static_cast<int>(sizeof(_Py_CODEUNIT));
+#endif
+}
+
+// Each step of the walk: the next frame outward (new reference), the current one released.
+PyFrameObject* step_out(PyFrameObject* frame) {
+  PyFrameObject* back = PyFrame_GetBack(frame);
+  Py_DECREF(frame);
+  return back;
+}
+
+long verdict_of_frame(PyFrameObject* frame, PyObject** code_out) {
+  PyCodeObject* code = PyFrame_GetCode(frame);  // new reference; code objects with a verdict
+  Py_DECREF(code);                              // stay alive in _sites._verdicts
+  *code_out = reinterpret_cast<PyObject*>(code);
+  return verdict_of(*code_out);
+}
+
+PyObject* user_site(bool* state_maker) {
+  *state_maker = false;
   PyFrameObject* frame = PyEval_GetFrame();  // borrowed
   Py_XINCREF(frame);
   while (frame != nullptr) {
-    PyCodeObject* code = PyFrame_GetCode(frame);  // new reference
+    PyObject* code = nullptr;
     long verdict;
     try {
-      verdict = verdict_of(reinterpret_cast<PyObject*>(code));
+      verdict = verdict_of_frame(frame, &code);
     } catch (...) {
-      Py_DECREF(code);
       Py_DECREF(frame);
       throw;
     }
-    if (verdict == kUser) {
-#if PY_VERSION_HEX >= 0x030B0000
-      *lasti = PyFrame_GetLasti(frame);
-#else
-      *lasti = frame->f_lasti * static_cast<int>(sizeof(_Py_CODEUNIT));
-#endif
-      Py_DECREF(frame);
-      return reinterpret_cast<PyObject*>(code);
+    if (verdict == kUser || verdict == kPackage) {
+      const int lasti = lasti_of(frame);
+      PyObject* user_code = nullptr;
+      int user_lasti = 0;
+      PyFrameObject* outer = verdict == kPackage ? step_out(frame) : (Py_DECREF(frame), nullptr);
+      while (outer != nullptr) {
+        PyObject* candidate = nullptr;
+        long outer_verdict;
+        try {
+          outer_verdict = verdict_of_frame(outer, &candidate);
+        } catch (...) {
+          Py_DECREF(outer);
+          throw;
+        }
+        if (outer_verdict == kUser) {
+          user_code = candidate;
+          user_lasti = lasti_of(outer);
+          Py_DECREF(outer);
+          break;
+        }
+        outer = step_out(outer);
+      }
+      return site_tuple(code, lasti, user_code, user_lasti);
     }
-    Py_DECREF(code);
     if (verdict == kStateMaker) {
       Py_DECREF(frame);
-      *lasti = -1;
-      return nullptr;
+      *state_maker = true;
+      return Py_None;
     }
-    PyFrameObject* back = PyFrame_GetBack(frame);  // new reference
-    Py_DECREF(frame);
-    frame = back;
+    frame = step_out(frame);
   }
-  return nullptr;
+  return Py_None;
 }
 #endif
 
-void give_to_hook(const at::Tensor& t, PyObject* code, int lasti) {
+void give_to_hook(const at::Tensor& t, PyObject* site, bool state_maker) {
   PyObject* obj = THPVariable_Wrap(t);
   if (obj == nullptr) throw python_error();
   if (Py_TYPE(obj) != reinterpret_cast<PyTypeObject*>(THPVariableClass)) {
     Py_DECREF(obj);  // already a Python object of another class: not a new plain result
     return;
   }
-  PyObject* offset = PyLong_FromLong(lasti);
-  if (offset == nullptr) {
-    Py_DECREF(obj);
-    throw_python_error();
-  }
-  PyObject* args[] = {obj, code != nullptr ? code : Py_None, offset};
+  PyObject* args[] = {obj, site, state_maker ? Py_True : Py_False};
   PyObject* result = PyObject_Vectorcall(g_hook, args, 3, nullptr);
-  Py_DECREF(offset);
   Py_DECREF(obj);
   if (result == nullptr) throw_python_error();
   Py_DECREF(result);
 }
 
-// The common case of _intercept.adopt_result, in C: each fresh result becomes a TensorRef owned
+// The common case of _adopt.adopt_result, in C: each fresh result becomes a TensorRef owned
 // by the current scope, registered exactly as adopt_at() does. Returns false, having changed
 // nothing, where the Python hook must decide: inside autograd's engine (a .grad's owner), with
 // memory left to release for a cross-thread close, or with the current scope closed.
-bool adopt_in_c(const c10::SmallVector<at::Tensor, 4>& fresh, PyObject* code, int lasti) {
+bool adopt_in_c(const c10::SmallVector<at::Tensor, 4>& fresh, PyObject* site, bool state_maker) {
   PyObject* thread = tl_thread_state;
   if (g_adoption.ref_class == nullptr || thread == nullptr) return false;
   if (torch::autograd::get_current_graph_task_id() != -1) return false;
@@ -330,11 +382,10 @@ bool adopt_in_c(const c10::SmallVector<at::Tensor, 4>& fresh, PyObject* code, in
   PyObject* current = nullptr;
   if (PyContextVar_Get(g_adoption.current_scope, Py_None, &current) < 0) throw_python_error();
   Ref scope(current);
-  if (scope.get() == Py_None || lasti < 0) return true;  // no scope here; a state maker's
+  if (scope.get() == Py_None || state_maker) return true;  // no scope here; a state maker's
   if (attribute_is_true(scope.get(), g_names.closed)) return false;
   Ref owned(checked(PyObject_GetAttr(scope.get(), g_names.owned)));
   Ref counters(checked(PyObject_GetAttr(thread, g_names.counters)));
-  PyObject* site = site_tuple(code, lasti);
   for (const at::Tensor& t : fresh) {
     Ref tensor(checked(THPVariable_Wrap(t)));
     if (Py_TYPE(tensor.get()) != reinterpret_cast<PyTypeObject*>(THPVariableClass)) continue;
@@ -347,7 +398,6 @@ bool adopt_in_c(const c10::SmallVector<at::Tensor, 4>& fresh, PyObject* code, in
     set_slot(state.get(), g_slots.site, site);
     set_slot(state.get(), g_slots.counters, counters.get());
     set_slot(state.get(), g_slots.disposal, Py_None);
-    set_slot(state.get(), g_slots.grad_of, Py_None);
     if (PyDict_SetItem(g_adoption.states, key.get(), state.get()) < 0) throw_python_error();
     if (PyDict_SetItem(owned.get(), key.get(), state.get()) < 0) throw_python_error();
     Ref created(checked(PyMember_GetOne(reinterpret_cast<char*>(counters.get()), g_slots.created)));
@@ -358,10 +408,10 @@ bool adopt_in_c(const c10::SmallVector<at::Tensor, 4>& fresh, PyObject* code, in
 }
 
 void give_all_to_hook(const c10::SmallVector<at::Tensor, 4>& fresh) {
-  int lasti = 0;
-  Ref code(user_site(&lasti));
-  if (adopt_in_c(fresh, code.get(), lasti)) return;
-  for (const at::Tensor& t : fresh) give_to_hook(t, code.get(), lasti);
+  bool state_maker = false;
+  PyObject* site = user_site(&state_maker);  // borrowed
+  if (adopt_in_c(fresh, site, state_maker)) return;
+  for (const at::Tensor& t : fresh) give_to_hook(t, site, state_maker);
 }
 
 void fallback(const c10::OperatorHandle& op, c10::DispatchKeySet keys, torch::jit::Stack* stack) {
@@ -392,13 +442,9 @@ void fallback(const c10::OperatorHandle& op, c10::DispatchKeySet keys, torch::ji
     }
   }
   if (fresh.empty()) return;
-  // torch.jit.trace keeps what it records as constants of the trace: never owned.
+  // torch.jit.trace keeps what it records as constants of the trace: never owned. (detach and
+  // alias never get here: they fall through the key, tensorscope/_adopt.py.)
   if (torch::jit::tracer::isTracing()) return;
-  // C functions of torch that hold the GIL while they make a subclass from a detached alias
-  // (nn.Parameter's _make_subclass, as_subclass) must get a tensor without a Python object.
-  if ((is_named(op, "aten::detach") || is_named(op, "aten::alias")) && PyGILState_Check()) {
-    return;
-  }
   PyGILState_STATE gil = PyGILState_Ensure();
   try {
     give_all_to_hook(fresh);
@@ -407,17 +453,6 @@ void fallback(const c10::OperatorHandle& op, c10::DispatchKeySet keys, torch::ji
     throw;
   }
   PyGILState_Release(gil);
-}
-
-PyObject* set_enabled(PyObject*, PyObject* arg) {
-  const int on = PyObject_IsTrue(arg);
-  if (on < 0) return nullptr;
-  c10::impl::tls_set_dispatch_key_included(kKey, on != 0);
-  Py_RETURN_NONE;
-}
-
-PyObject* is_enabled(PyObject*, PyObject*) {
-  return PyBool_FromLong(c10::impl::tls_is_dispatch_key_included(kKey));
 }
 
 void replace(PyObject** slot, PyObject* value) {
@@ -460,7 +495,6 @@ PyObject* set_hook(PyObject*, PyObject* args) {
         !(slots.site = slot_of(parts.state_class, "site")) ||
         !(slots.counters = slot_of(parts.state_class, "counters")) ||
         !(slots.disposal = slot_of(parts.state_class, "disposal")) ||
-        !(slots.grad_of = slot_of(parts.state_class, "grad_of")) ||
         !(slots.created = slot_of(counters_class, "created_in_scope"))) {
       return nullptr;
     }
@@ -547,11 +581,9 @@ PyObject* bind_thread(PyObject*, PyObject* state) {
 }
 
 PyMethodDef methods[] = {
-    {"set_enabled", set_enabled, METH_O, "Include (True) or exclude the key on this thread."},
-    {"is_enabled", is_enabled, METH_NOARGS, "Whether the key is included on this thread."},
     {"set_hook", set_hook, METH_VARARGS,
-     "set_hook(hook, verdicts, classify, adoption=None): hook(tensor, code, lasti) gets each "
-     "fresh result the C adoption leaves to Python."},
+     "set_hook(hook, verdicts, classify, adoption=None): hook(tensor, site, state_maker) gets "
+     "each fresh result the C adoption leaves to Python."},
     {"poison", poison, METH_VARARGS,
      "poison(tensors, versions, alone): the disposed tensors' version counters (their own "
      "where a tensor outside the batch holds their storage)."},

@@ -9,8 +9,8 @@ import torch
 from torch import nn
 
 import tensorscope as ts
-from tensorscope._engine import FAST
 from tensorscope._state import STATES
+from tensorscope._torch import scope_key_included
 
 
 def test_no_scope_means_plain_torch() -> None:
@@ -23,7 +23,7 @@ def test_no_scope_means_plain_torch() -> None:
 def _interceptors() -> int:
     """How many tensorscope interceptors are active on this thread (the Python mode on the
     dispatch stack, or the C++ engine's key)."""
-    return torch._C._len_torch_dispatch_stack() + bool(FAST is not None and FAST.is_enabled())
+    return torch._C._len_torch_dispatch_stack() + bool(scope_key_included())
 
 
 def test_interception_is_on_only_while_scopes_are_open() -> None:
@@ -75,36 +75,43 @@ def test_parameters_and_buffers_created_in_a_scope_are_plain_and_survive() -> No
     assert bn.running_var.tolist() == [1.0, 1.0]
 
 
-def test_grads_of_parameters_are_never_owned_and_grads_of_owned_leaves_follow_the_leaf() -> None:
+@pytest.mark.parametrize("entry", ["tensor.backward", "torch.autograd.backward"])
+def test_grads_made_by_autograd_are_never_owned(entry: str) -> None:
+    """``.grad``s are autograd's: plain whichever way backward is entered, accumulation
+    included; the results of ``torch.autograd.grad`` are ordinary results (owned)."""
     w = nn.Parameter(torch.randn(3))
+    x0 = torch.randn(3)
     with ts.scope() as s:
-        x = torch.randn(3, requires_grad=True)
-        (w * x).sum().backward()  # a ref's backward runs unintercepted: grads are plain
-        assert type(w.grad) is torch.Tensor and type(x.grad) is torch.Tensor
-        x.grad = None
-        torch.autograd.backward((w * x).sum())  # the engine entered directly: intercepted
-        assert type(w.grad) is torch.Tensor
-        assert isinstance(x.grad, ts.TensorRef) and x.grad.scope is s
-    assert w.grad is not None and w.grad.shape == (3,)
+        x = x0.clone().requires_grad_()
+        for _ in range(2):  # the second accumulates
+            loss = (w * x * x).sum()
+            if entry == "tensor.backward":
+                loss.backward()
+            else:
+                torch.autograd.backward(loss)
+            assert type(w.grad) is torch.Tensor and type(x.grad) is torch.Tensor
+        (g,) = torch.autograd.grad((w * x).sum(), [x])
+        assert isinstance(g, ts.TensorRef) and g.scope is s
+    assert w.grad is not None and torch.allclose(w.grad, 2 * x0 * x0)
     assert x.is_disposed
 
 
-def test_disposing_a_grad_unlinks_it_so_later_backward_makes_a_fresh_one() -> None:
+def test_a_disposed_leaf_lets_go_of_its_grad() -> None:
+    process_grad: list[torch.Tensor] = []
     with ts.scope():
-        leaf = torch.randn(3, requires_grad=True).detach_from_scope()
-    with ts.scope():
+        leaf = torch.randn(3, requires_grad=True)
         (leaf * 2).sum().backward()
-        assert type(leaf.grad) is torch.Tensor  # the grad of an unowned leaf stays plain
-    leaf2 = ts.ref(torch.randn(3, requires_grad=True))
+        process_grad.append(leaf.grad)  # the user keeps the (plain) grad itself
+        leaf.dispose()
+    assert process_grad[0].tolist() == [2.0, 2.0, 2.0]  # a plain tensor the user holds
+    kept = ts.ref(torch.randn(3, requires_grad=True))
     with ts.scope() as s:
-        s.include(leaf2)
-        torch.autograd.backward((leaf2 * 2).sum())  # intercepted: the grad follows its leaf
-        g = leaf2.grad
-        assert g is not None and g.scope is s
-        s.exclude(leaf2)
-    assert g.is_disposed and leaf2.grad is None
-    (leaf2 * 3).sum().backward()
-    assert leaf2.grad is not None and leaf2.grad.tolist() == [3.0, 3.0, 3.0]
+        s.include(kept)
+        (kept * 2).sum().backward()
+        s.exclude(kept)
+    assert kept.grad is not None and kept.grad.tolist() == [2.0, 2.0, 2.0]
+    (kept * 3).sum().backward()
+    assert kept.grad.tolist() == [5.0, 5.0, 5.0]
 
 
 class _FailingSGD(torch.optim.SGD):
@@ -145,13 +152,22 @@ def test_forward_without_backward_does_not_leak_graphs() -> None:
         assert len(STATES) - before_states < 20
 
 
-def test_backward_through_a_disposed_saved_activation_raises() -> None:
+def test_backward_through_a_graph_moved_out_of_its_scope_works() -> None:
+    """docs/api.md §8: the graph of a moved tensor keeps what it saved (``h``), while ``h``
+    itself is disposed."""
     w = nn.Parameter(torch.randn(3, 3))
+    x = torch.randn(2, 3)
+    (x @ w).tanh().mul(2).sum().backward()
+    expected = w.grad.clone()
+    w.grad = None
     with ts.scope(name="fwd"):
-        h = (torch.randn(2, 3) @ w).tanh()
+        h = (x @ w).tanh()
         out = (h * 2).sum().detach_from_scope()
+    assert h.is_disposed
     with pytest.raises(ts.DisposedTensorError, match=r"\(2, 3\).*'fwd'"):
-        out.backward()
+        h.sum()
+    out.backward()
+    assert torch.equal(w.grad, expected)
 
 
 def test_scope_closed_from_another_thread_leaves_its_own_thread_usable() -> None:

@@ -23,11 +23,13 @@ LAYERS: list[tuple[str, ...]] = [
     ("_torch", "_sites"),  # typed doors to torch internals; creation sites
     ("_state", "_slot"),  # ref records and the owner contract; the residency slot
     ("_thread",),  # per-thread state
-    ("_plain",),  # plain-tensor protocols of refs
+    ("_plain", "_reach"),  # plain-tensor protocols of refs; tensors reachable from a value
     ("ref",),  # TensorRef, disposal
     # torch.optim step hooks; torch entry points that keep state; torch.compile'd outputs
     ("_optimizer", "_keepers", "_compiled"),
-    ("_intercept", "_leaks"),  # the dispatch mode; the leak report
+    ("_adopt", "_leaks"),  # how results become refs (both engines); the leak report
+    ("_fallback",),  # the scope key's kernels: the Python engine, shared fallthroughs
+    ("_intercept",),  # the residency manager's dispatch mode; hooks installed once
     ("scope",),  # DisposeScope, statistics
     ("residency", "empty_init"),  # the residency manager package; meta-device construction
     ("loading",),  # ts.manage(checkpoint=...)
