@@ -6,23 +6,27 @@
 # disables ``__torch_function__``, so ops on refs run at plain-tensor speed and return plain
 # tensors outside scopes. A wrapper subclass would cost ~9-18 µs per op (DESIGN.md).
 #
-# NOTE [how disposal frees memory safely]
-# Disposing a ref (1) records its shape/dtype/owner for the error message, (2) switches its class
-# to ``DisposedTensor``, whose every Python path raises ``DisposedTensorError``, (3) sets its
-# autograd version counter to a poison value, so a backward that needs it (autograd saved it, or
-# a shallow copy of it) fails the saved-tensor version check instead of reading released data,
-# and (4) points its TensorImpl at a shared empty storage (``tensor.data = empty``), detached in
-# place first so a disposed output kept in a stray list releases its autograd graph. Step 4 drops
-# this tensor's hold on the storage, which PyTorch frees by refcount as soon as nothing else holds
-# it, and leaves a valid 0-element tensor: C++ code that still reaches it gets a shape error,
-# never a dangling pointer. ``storage.resize_(0)`` would free the bytes of every alias at once,
-# including Parameters and views that must stay valid, and leaves tensors whose reads segfault.
-# The counter is shared by a tensor, its views, its ``detach()`` aliases and autograd's saved
-# copies, so a live alias must never see it change: views are not poisoned, and a tensor whose
-# storage is also held by a tensor disposed later (a view moved out of the scope, the ``h`` of a
-# ``d = h.detach()`` disposed in a nested scope) gets a poisoned counter of its own instead
-# (C++ engine) or none (Python engine) (``_torch.poison_versions``).
-# Step 4 runs on the thread that owns the scope (see _thread.py's NOTE on cross-thread close).
+# NOTE [how disposal frees memory safely: the handle lets go, as in TorchSharp]
+# A ref is a handle on a TensorImpl, and so are autograd's saved tensors, a view's base, a
+# Parameter made from its data: C++ holds TensorImpls by refcount. Disposing a ref (1) records
+# its shape/dtype/owner for the error message, (2) switches its class to ``DisposedTensor``,
+# whose every Python path raises ``DisposedTensorError``, and (3) makes the user's Python object
+# let go of its TensorImpl: a stand-in impl with no storage and the Python dispatch key takes its
+# place (``torch._C._swap_tensor_impl``), so C++ paths that reach the handle (``torch.tensor(t)``,
+# ``as_subclass``) raise through ``DisposedTensor.__torch_dispatch__`` too. The original impl —
+# data, ``grad_fn``, version counter — is then freed by refcount at once, unless something else
+# in C++ holds it: the graph of a tensor moved out of the scope (docs/api.md §8: a moved tensor
+# keeps what its graph saved, until backward frees the graph or the tensor dies), a live view's
+# base. A stray reference to a disposed output therefore pins neither its data nor its graph.
+# Nothing is changed in place, so no live alias ever sees its data, graph or version change.
+# ``storage.resize_(0)`` would free the bytes of every alias at once (Parameters, views that must
+# stay valid) and leave tensors whose reads segfault; emptying the impl in place (the earlier
+# design) broke every graph that saved it. Where torch refuses the swap (a C++ weak reference to
+# the impl), autocast's weight cache, which holds one for a leaf that requires grad, is cleared
+# and the swap retried; where it still refuses, the impl is emptied in place after all, its
+# graph detached and its version counter poisoned so a backward that saved it raises
+# (``_empty_in_place``).
+# Step 3 runs on the thread that owns the scope (see _thread.py's NOTE on cross-thread close).
 
 Layer 3: imports only layers 0-2.
 """
@@ -30,7 +34,6 @@ Layer 3: imports only layers 0-2.
 from __future__ import annotations
 
 import re
-import weakref
 from collections import OrderedDict
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
@@ -40,7 +43,7 @@ from typing_extensions import Self
 
 from tensorscope._engine import FAST
 from tensorscope._plain import PlainTensorProtocols
-from tensorscope._sites import Site, user_site
+from tensorscope._sites import NotOwned, Site, capture_site, user_site
 from tensorscope._slot import active_residency, residency_hooks
 from tensorscope._state import (
     CONVERTED,
@@ -53,12 +56,19 @@ from tensorscope._state import (
     register_ref,
     state_of,
 )
-from tensorscope._thread import CURRENT_SCOPE, ThreadState, mode_popped, thread_state
+from tensorscope._thread import (
+    CURRENT_SCOPE,
+    ThreadState,
+    mode_popped,
+    owning_scope,
+    thread_state,
+)
 from tensorscope._torch import (
     no_dispatch,
     no_subclass_function,
     poison_versions,
     storage_address,
+    tracing,
 )
 from tensorscope.errors import ArgumentTypeError, DisposedTensorError, ResidencyError, ScopeError
 
@@ -239,15 +249,22 @@ class TensorRef(PlainTensorProtocols, ResidencyMethods, torch.Tensor):  # type: 
             return torch.Tensor.view_as(self, self)
 
     def detach(self) -> torch.Tensor:
-        """Autograd's ``detach()``; outside any scope, the detached alias of a ref is a ref too.
+        """Autograd's ``detach()``: the detached alias of a ref is a ref, owned by the current
+        scope (unowned outside scopes).
 
-        (Inside a scope every result is a ref of the scope anyway.) ``nn.Parameter(ref)`` needs
-        ``detach()`` to keep the type of its argument; the ref is unowned.
+        ``detach`` falls through the scope engines' key (torch's C functions need its result
+        without a Python object, tensorscope/_adopt.py), so a ref's alias is made one here;
+        ``nn.Parameter(ref)`` also needs ``detach()`` to keep the type of its argument.
         """
         out = torch.Tensor.detach(self)
         if type(out) is torch.Tensor:
             out.__class__ = TensorRef
-            register_ref(out, None, _site(), thread_state().counters)
+            state = thread_state()
+            site = capture_site(1)
+            if isinstance(site, NotOwned) or tracing():
+                register_ref(out, None, user_site(1), state.counters)
+            else:
+                register_ref(out, owning_scope(state), site, state.counters)
         return out
 
     # ----------------------------------------- nn.Parameter / nn.Buffer made from a ref
@@ -390,10 +407,8 @@ def dispose_states(states: Iterable[RefState], reason: str, owner_thread: Any = 
     is left to that thread (see _thread.py's NOTE on cross-thread close).
     """
     batch: list[torch.Tensor] = []
+    records: list[tuple[Disposal, Site]] = []
     keys: list[int] = []
-    poisoned: list[torch.Tensor] = []
-    versions: list[int] = []
-    sites: list[tuple[Disposal, Site]] = []
     for state in states:
         tensor = state()
         if tensor is None or state.disposal is not None:
@@ -405,37 +420,32 @@ def dispose_states(states: Iterable[RefState], reason: str, owner_thread: Any = 
         else:
             state.counters.disposed_outside_scope += 1
         disposal = Disposal(
-            tuple(tensor.shape), tensor.dtype, owner.name if owner is not None else None, reason
+            _shape_of(tensor), tensor.dtype, owner.name if owner is not None else None, reason
         )
         state.disposal = disposal
-        _unlink_grads(tensor, state)
-        if tensor.layout is torch.strided and tensor.device.type != "meta":
+        _unlink_grad(tensor)
+        if tensor.layout is torch.strided and not tensor.is_nested and tensor.device.type != "meta":
             keys.append(storage_address(tensor))
-        if not tensor._is_view() and not tensor.is_inference():
-            poisoned.append(tensor)
-            versions.append(_POISON_BASE + _next_poison[0] % _POISON_SPAN)
-            sites.append((disposal, state.site))
-            _next_poison[0] += 1
         tensor.__class__ = DisposedTensor
         batch.append(tensor)
-    if poisoned:
-        with no_subclass_function():
-            done = poison_versions(poisoned, versions)
-        for version, record, ok in zip(versions, sites, done, strict=True):
-            if ok:
-                _recent[version] = record
-        while len(_recent) > _RECENT_LIMIT:
-            _recent.popitem(last=False)
+        records.append((disposal, state.site))
     if not batch:
         return
     elsewhere = isinstance(owner_thread, ThreadState) and not owner_thread.on_this_thread
     if elsewhere and owner_thread.alive:
         owner_thread.defer(batch)
         return
-    _release_all(batch)
+    _release_all(batch, records)
     hooks = residency_hooks()
     if hooks is not None and keys:
         hooks.storages_disposed(keys)
+
+
+def _shape_of(tensor: torch.Tensor) -> tuple[int, ...]:
+    with no_subclass_function():
+        if tensor.is_nested:  # a nested tensor has no single shape: its components' count
+            return (tensor.size(0),)
+        return tuple(tensor.shape)
 
 
 def release_pending(state: ThreadState) -> None:
@@ -448,13 +458,19 @@ def release_pending(state: ThreadState) -> None:
             hooks.storages_disposed([])
 
 
-def _release_all(tensors: list[torch.Tensor]) -> None:
+def _release_all(
+    tensors: list[torch.Tensor], records: list[tuple[Disposal, Site]] | None = None
+) -> None:
     failures: list[BaseException] = []
-    for tensor in tensors:
+    refused: list[int] = []
+    for index, tensor in enumerate(tensors):
         try:
-            _release(tensor)
+            if not _let_go(tensor):
+                refused.append(index)
         except Exception as exc:  # one odd tensor must not keep the others' memory
             failures.append(exc)
+    if refused:
+        _empty_in_place([tensors[i] for i in refused], records and [records[i] for i in refused])
     if failures:
         raise ScopeError(
             f"tensorscope.scope: the memory of {len(failures)} disposed tensor(s) could not be "
@@ -462,16 +478,40 @@ def _release_all(tensors: list[torch.Tensor]) -> None:
         ) from failures[0]
 
 
-def _unlink_grads(tensor: torch.Tensor, state: RefState) -> None:
-    # Autograd writes into a leaf's .grad from C++; cut the link so a later backward makes a
-    # fresh gradient instead of accumulating into a disposed one.
+def _unlink_grad(tensor: torch.Tensor) -> None:
+    # A disposed leaf lets go of its .grad (never owned: autograd made it), which dies with it
+    # unless the user holds it.
     with no_subclass_function():
-        if state.grad_of is not None:
-            leaf = state.grad_of()
-            if leaf is not None and type(leaf) is not DisposedTensor and leaf.grad is tensor:
-                leaf.grad = None
         if tensor.is_leaf and tensor.requires_grad and tensor.grad is not None:
             tensor.grad = None
+
+
+_swap_impl: Any = torch._C._swap_tensor_impl
+_make_wrapper: Any = torch.Tensor._make_wrapper_subclass
+
+
+def _let_go(tensor: torch.Tensor) -> bool:
+    """The handle lets go of its TensorImpl (see the NOTE above); False where torch refuses.
+
+    A stand-in TensorImpl with no storage and the Python dispatch key takes the impl's place
+    under the user's Python object (``torch._C._swap_tensor_impl``, what
+    ``torch.utils.swap_tensors`` uses), so every path to the handle — Python or C++ — reaches
+    ``DisposedTensor`` and raises. The original impl, with its data, graph and version
+    counter, is left to whatever else in C++ holds it: autograd's saved tensors of a graph that
+    was moved out of the scope, a live view's base. With no other holder it is freed at once.
+    """
+    with no_subclass_function():
+        stand_in = _make_wrapper(DisposedTensor, (0,), dtype=tensor.dtype, device=tensor.device)
+    stand_in.__class__ = torch.Tensor  # what keeps the impl alive is a plain alias
+    try:
+        _swap_impl(tensor, stand_in)
+    except RuntimeError:  # a C++ weak reference to the impl: autocast's weight cache?
+        torch.clear_autocast_cache()  # an optimisation only: casts are redone when needed
+        try:
+            _swap_impl(tensor, stand_in)
+        except RuntimeError:
+            return False
+    return True
 
 
 _EMPTIES: dict[tuple[torch.dtype, torch.device, torch.layout], torch.Tensor] = {}
@@ -497,19 +537,35 @@ def _empty_like(tensor: torch.Tensor) -> torch.Tensor:
     return empty
 
 
-def _release(tensor: torch.Tensor) -> None:
-    """Drop this TensorImpl's hold on its storage and, when possible, on its autograd graph."""
-    with no_dispatch(), no_subclass_function():
-        if not tensor._is_view() and tensor.grad_fn is not None:
-            # A disposed output kept in a stray list would otherwise keep its whole graph
-            # (and the activations saved in it) alive. Views cannot be detached in place.
-            tensor.detach_()
-        # Disposed tensors share one 0-byte tensor per dtype, device and layout: nothing can
-        # grow it (every Python path raises; with the C++ engine so does every op that reaches
-        # it from C++, elsewhere those fail on its shape).
-        tensor.data = _empty_like(tensor)
-        if FAST is not None:
-            FAST.guard_disposed(tensor)
+def _empty_in_place(
+    tensors: list[torch.Tensor], records: list[tuple[Disposal, Site]] | None
+) -> None:
+    """Where the impl cannot be swapped: empty it in place (its graph detached), after
+    poisoning its autograd version counter so a backward that saved it raises
+    ``DisposedTensorError`` instead of reading the emptied data (``_torch.poison_versions``)."""
+    poisoned: list[torch.Tensor] = []
+    versions: list[int] = []
+    kept: list[tuple[Disposal, Site] | None] = []
+    with no_subclass_function():
+        for index, tensor in enumerate(tensors):
+            if not tensor._is_view() and not tensor.is_inference():
+                poisoned.append(tensor)
+                versions.append(_POISON_BASE + _next_poison[0] % _POISON_SPAN)
+                kept.append(records[index] if records else None)
+                _next_poison[0] += 1
+        done = poison_versions(poisoned, versions) if poisoned else []
+    for version, record, ok in zip(versions, kept, done, strict=True):
+        if ok and record is not None:
+            _recent[version] = record
+    while len(_recent) > _RECENT_LIMIT:
+        _recent.popitem(last=False)
+    for tensor in tensors:
+        with no_dispatch(), no_subclass_function():
+            if not tensor._is_view() and tensor.grad_fn is not None:
+                tensor.detach_()  # its graph, and the activations saved in it, are released
+            tensor.data = _empty_like(tensor)
+            if FAST is not None:
+                FAST.guard_disposed(tensor)
 
 
 # ------------------------------------------------------------------------------ conversions
@@ -535,22 +591,6 @@ def _convert(tensor: TensorRef, cls: type[torch.Tensor]) -> None:
             state.counters.detached += 1
         CONVERTED[id(state)] = state  # its death still counts as disposed (outside scope)
     tensor.__class__ = cls  # type: ignore[assignment]
-
-
-def grad_owner_for(leaf: torch.Tensor) -> Owner | None:
-    """The scope owning the ``.grad`` autograd is creating for ``leaf``.
-
-    That is the leaf's own (open) scope when the leaf is an owned ref, else ``None``: gradients
-    of parameters and of other tensors no scope owns are never owned (docs/api.md §2).
-    """
-    state = state_of(leaf)
-    if state is None or state.disposal is not None or state.owner is None:
-        return None
-    return state.owner.resolve()
-
-
-def mark_grad_of(state: RefState, leaf: torch.Tensor) -> None:
-    state.grad_of = weakref.ref(leaf)
 
 
 # ------------------------------------------------------------------------------ public helpers
