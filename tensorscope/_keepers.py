@@ -6,20 +6,28 @@
 by it and die with it. These two entry points are wrapped (once, at the first scope) so that what
 they keep leaves its scope: tensors that torch stores as state are never owned (docs/scopes.md).
 The wrappers call torch's own method first and change nothing else.
+
+``multiprocessing.Queue.put(obj)`` keeps ``obj`` too: its feeder thread pickles it later, when
+the scope that made a tensor in it may have disposed it (the item was dropped and ``get()`` in
+the consumer blocked forever). A ref put on such a queue leaves its scope (it is the queue's now,
+until pickled: torch's reductions share its storage with the consumer); a disposed one raises at
+``put()``.
 """
 
 from __future__ import annotations
 
 import functools
+import multiprocessing.queues
 from collections.abc import Iterator
 from typing import Any
 
 import torch
 from torch import nn
 
-from tensorscope.ref import unown
+from tensorscope._reach import tensors_in
+from tensorscope.ref import DisposedTensor, TensorRef, unown
 
-__all__ = ["install"]
+__all__ = ["install", "leave_scopes"]
 
 _installed: list[bool] = []
 
@@ -49,3 +57,22 @@ def install() -> None:
 
     torch.optim.Optimizer.load_state_dict = optimizer_load_state_dict  # type: ignore[method-assign]
     nn.Module.__setstate__ = module_setstate  # type: ignore[method-assign]
+
+    queue_put: Any = multiprocessing.queues.Queue.put
+
+    @functools.wraps(queue_put)
+    def put(self: Any, obj: Any, block: bool = True, timeout: float | None = None) -> None:
+        leave_scopes(obj)
+        queue_put(self, obj, block, timeout)
+
+    multiprocessing.queues.Queue.put = put  # type: ignore[method-assign]
+
+
+def leave_scopes(value: Any) -> None:
+    """Refs reachable from ``value`` leave their scopes (``detach_from_scope()``); a disposed
+    one raises ``DisposedTensorError`` now."""
+    for tensor in tensors_in(value):
+        if type(tensor) is DisposedTensor:
+            tensor.detach_from_scope()  # raises, naming the tensor
+        elif type(tensor) is TensorRef:
+            tensor.detach_from_scope()

@@ -1,10 +1,13 @@
 """Creation sites, and the torch code whose tensors are long-lived state (never owned).
 
 A ref remembers where user code created it: the first frame, walking outward from the op, whose
-file is not part of torch or tensorscope. The walk is on the hot path, so it keeps only the code
-object and the instruction offset (``f_lasti``); the file:line text is computed when an error or
-a leak report needs it. Each code object's verdict (user, library, state maker) is cached, so a
-frame costs one dict lookup.
+file is not part of torch or tensorscope. When that frame belongs to an installed package (a
+transformers model's ``modeling_bert.py``), the walk goes on to the user's own frame, the first
+outside installed packages (``train.py:42``), and the ref remembers both: messages name the
+user's line and the library line under it. The walk is on the hot path, so it keeps only code
+objects and instruction offsets (``f_lasti``); the file:line text is computed when an error or
+a leak report needs it. Each code object's verdict (user, package, library, state maker) is
+cached, so a frame costs one dict lookup.
 
 # NOTE [state makers]
 # Some torch code creates tensors that torch or a module keeps as its own long-lived state:
@@ -13,14 +16,18 @@ frame costs one dict lookup.
 # the original's plain type), ``state_dict()`` of modules and optimizers (aliases of their
 # state), a GradScaler's lazily created scale, ``Optimizer.load_state_dict`` (optimizer state),
 # tensors a DataLoader receives from its workers (parked in its reorder buffer across steps),
-# and what torch.compile's machinery makes while compiling. A scope must never own those: if the
-# walk meets one of these frames before the first user frame, the result is not owned.
+# what torch.compile's machinery makes while compiling, and the internals of tensor subclasses
+# and distributed training (a jagged nested tensor's components, DDP's buckets, FSDP's shards).
+# A scope must never own those: if the walk meets one of these frames before the first user
+# frame, the result is not owned.
 """
 
 from __future__ import annotations
 
 import os
+import site
 import sys
+import sysconfig
 from types import CodeType, FrameType
 from typing import Any, Final, TypeAlias
 
@@ -38,11 +45,14 @@ __all__ = [
     "mark_state_maker",
     "site_file_line",
     "site_verdicts",
+    "user_file_line",
     "user_site",
 ]
 
-# (code object of the user frame, its f_lasti), or None when no user frame was found.
-Site: TypeAlias = "tuple[CodeType, int] | None"
+# (code object of the innermost user or package frame, its f_lasti), followed, when that frame
+# is in an installed package, by the user's own frame outside packages (code object, f_lasti)
+# if there is one; or None when no such frame was found.
+Site: TypeAlias = "tuple[CodeType, int] | tuple[CodeType, int, CodeType, int] | None"
 
 
 class NotOwned:
@@ -54,19 +64,40 @@ class NotOwned:
 
 NOT_OWNED: Final = NotOwned()
 
-_USER, _LIBRARY, _STATE_MAKER = 0, 1, 2
+_USER, _LIBRARY, _STATE_MAKER, _PACKAGE = 0, 1, 2, 3
 _PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
 _TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
 _LIBRARY_DIRS = (_TORCH_DIR, _PACKAGE_DIR)
 # The demo plays the part of user code: its sites are what a user would see.
 _USER_FILES = {_PACKAGE_DIR + "demo.py"}
+# Where pip installs packages: code there is a library the user called (transformers), not the
+# user's own.
+_INSTALLED_DIRS = tuple(
+    sorted(
+        {
+            os.path.join(os.path.abspath(path), "")
+            for path in (
+                *site.getsitepackages(),
+                site.getusersitepackages(),
+                sysconfig.get_paths()["purelib"],
+                sysconfig.get_paths()["platlib"],
+            )
+        }
+    )
+)
 # Whole files and directories whose tensors are state (see the NOTE above).
 _STATE_MAKER_PATHS = tuple(
-    _TORCH_DIR + path
+    _TORCH_DIR + path.replace("/", os.sep)
     for path in (
-        "multiprocessing" + os.sep + "reductions.py",
-        "_dynamo" + os.sep,
-        "_inductor" + os.sep,
+        "multiprocessing/reductions.py",
+        "_dynamo/",
+        "_inductor/",
+        # The parts of tensor subclasses and of distributed training: a jagged nested tensor's
+        # values, offsets and cached lengths, DTensor's local shards, FSDP's unsharded
+        # parameters, DDP's gradient buckets (rebuilt in the second forward) are theirs.
+        "nested/_internal/",
+        "distributed/",
+        "nn/parallel/distributed.py",
     )
 )
 
@@ -113,6 +144,8 @@ def _classify(code: CodeType) -> int:
         filename.startswith(_LIBRARY_DIRS) or filename.startswith("<frozen")
     ) and filename not in _USER_FILES:
         verdict = _LIBRARY
+    elif filename.startswith(_INSTALLED_DIRS):
+        verdict = _PACKAGE
     else:
         verdict = _USER
     _verdicts[code] = _by_id[id(code)] = verdict
@@ -137,10 +170,26 @@ def capture_site(skip: int = 1, *, through_state_makers: bool = False) -> Site |
             verdict = _classify(code)
         if verdict == _USER:
             return (code, frame.f_lasti)
+        if verdict == _PACKAGE:
+            return _with_user_frame(code, frame.f_lasti, frame.f_back)
         if verdict == _STATE_MAKER and not through_state_makers:
             return NOT_OWNED
         frame = frame.f_back
     return None
+
+
+def _with_user_frame(code: CodeType, lasti: int, frame: FrameType | None) -> Site:
+    """A package frame's site, with the user's own frame further out when there is one."""
+    lookup = _by_id.get
+    while frame is not None:
+        outer = frame.f_code
+        verdict = lookup(id(outer))
+        if verdict is None:
+            verdict = _classify(outer)
+        if verdict == _USER:
+            return (code, lasti, outer, frame.f_lasti)
+        frame = frame.f_back
+    return (code, lasti)
 
 
 def user_site(skip: int = 1) -> Site:
@@ -159,10 +208,23 @@ def caller_site(skip: int = 1) -> Site:
 
 
 def site_file_line(site: Site) -> tuple[str, int] | None:
-    """``(filename, lineno)`` of a site."""
+    """``(filename, lineno)`` of a site's innermost frame (the library's, in a package)."""
     if site is None:
         return None
-    code, lasti = site
+    return _file_line(site[0], site[1])
+
+
+def user_file_line(site: Site) -> tuple[str, int] | None:
+    """``(filename, lineno)`` of the user's own frame of a site (its only frame outside
+    packages)."""
+    if site is None:
+        return None
+    if len(site) == 4:
+        return _file_line(site[2], site[3])
+    return _file_line(site[0], site[1])
+
+
+def _file_line(code: CodeType, lasti: int) -> tuple[str, int]:
     line = code.co_firstlineno
     for start, end, lineno in code.co_lines():
         if start <= lasti < end:
@@ -173,8 +235,12 @@ def site_file_line(site: Site) -> tuple[str, int] | None:
 
 
 def format_site(site: Site) -> str:
-    """``"train.py:42"`` style text (full path kept when short enough to read)."""
+    """``"train.py:42"`` style text; a site in an installed package names the user's own line
+    and then the library's: ``"train.py:42 (in .../modeling_bert.py:1111)"``."""
     where = site_file_line(site)
     if where is None:
         return "an unknown site (no user frame: created by torch internals)"
+    if site is not None and len(site) == 4:
+        user = _file_line(site[2], site[3])
+        return f"{user[0]}:{user[1]} (in {where[0]}:{where[1]})"
     return f"{where[0]}:{where[1]}"

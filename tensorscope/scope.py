@@ -21,6 +21,7 @@ from typing_extensions import ParamSpec, Self
 
 from tensorscope import _intercept
 from tensorscope._leaks import LeakRecord, find_leaks, warn_leaks
+from tensorscope._reach import tensors_in
 from tensorscope._sites import user_site
 from tensorscope._state import Owner, disposed_error, move_state, register_ref, state_of
 from tensorscope._thread import CURRENT_SCOPE, ThreadState, thread_state
@@ -351,7 +352,7 @@ def _flatten_keep(keep: Iterable[Any]) -> Iterator[Any]:
 def _hand_over(value: Any, inner: DisposeScope, to: Owner | None) -> None:
     """Refs of ``inner`` found in ``value`` (what a scoped function returns or yields) move to
     ``to`` (unowned if ``None``)."""
-    for tensor in _tensors_in(value):
+    for tensor in tensors_in(value):
         state = state_of(tensor)
         if state is not None and state.owner is inner and state.disposal is None:
             move_state(state, to)
@@ -419,17 +420,6 @@ def _scoped_generator(
                     inner.close()
 
     return scoped
-
-
-def _tensors_in(value: Any, depth: int = 0) -> Iterator[torch.Tensor]:
-    if isinstance(value, torch.Tensor):
-        yield value
-    elif depth < 4 and isinstance(value, (tuple, list)):
-        for item in value:
-            yield from _tensors_in(item, depth + 1)
-    elif depth < 4 and isinstance(value, dict):
-        for item in value.values():
-            yield from _tensors_in(item, depth + 1)
 
 
 def scope(name: str | None = None, *, report_leaks: bool = False) -> DisposeScope:
