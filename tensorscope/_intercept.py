@@ -30,7 +30,7 @@ from tensorscope._slot import ACTIVE
 from tensorscope._state import STATES, Counters, Owner, RefState, on_ref_death, register_ref
 from tensorscope._thread import CURRENT_SCOPE, ThreadState, owning_scope, thread_state
 from tensorscope._torch import ORIGINAL_FROMBUFFER, treat_as_plain_for_tracing
-from tensorscope.ref import TensorRef, release_pending, unown_buffer
+from tensorscope.ref import TensorRef, release_pending, stock_stand_ins, unown_buffer
 
 __all__ = [
     "GRAD_CANDIDATE",
@@ -191,6 +191,7 @@ def acquire(state: ThreadState, *, residency: bool = False) -> None:
     """A scope (or a ``ts.manage()`` handle) of this thread needs the mode: push it."""
     _install_global_hooks()
     _fallback.register_new_ops()
+    stock_stand_ins()
     if state.pending:
         release_pending(state)
     state.resume()  # an optimizer step that raised left it popped

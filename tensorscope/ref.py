@@ -83,6 +83,7 @@ __all__ = [
     "dispose_states",
     "ref",
     "release_pending",
+    "stock_stand_ins",
 ]
 
 
@@ -488,6 +489,30 @@ def _unlink_grad(tensor: torch.Tensor) -> None:
 
 _swap_impl: Any = torch._C._swap_tensor_impl
 _make_wrapper: Any = torch.Tensor._make_wrapper_subclass
+_CPU = torch.device("cpu")
+
+# NOTE [stand-ins are made ahead, at scope entry]
+# A disposed handle keeps its stand-in TensorImpl as long as the user keeps the handle. Made at
+# disposal, right after a step's large allocations, those small objects sat on top of glibc's
+# heap and pinned the step's freed memory under them: an evaluation loop that kept every
+# batch's (disposed) logits grew by one activation per batch (4 MiB a batch in the demo, where
+# the earlier design stayed flat). So stand-ins come from a stock made when a scope opens,
+# before the step allocates; a close that runs out makes more on the spot.
+_STAND_INS: list[torch.Tensor] = []
+_STOCK_LOW, _STOCK_HIGH = 64, 256
+
+
+def _new_stand_in() -> torch.Tensor:
+    with no_subclass_function():
+        stand_in: torch.Tensor = _make_wrapper(DisposedTensor, (0,), device=_CPU)
+    stand_in.__class__ = torch.Tensor  # what keeps a disposed impl alive is a plain alias
+    return stand_in
+
+
+def stock_stand_ins() -> None:
+    """Refill the stand-in stock when it runs low (see the NOTE above)."""
+    if len(_STAND_INS) < _STOCK_LOW:
+        _STAND_INS.extend(_new_stand_in() for _ in range(_STOCK_HIGH - len(_STAND_INS)))
 
 
 def _let_go(tensor: torch.Tensor) -> bool:
@@ -500,9 +525,7 @@ def _let_go(tensor: torch.Tensor) -> bool:
     counter, is left to whatever else in C++ holds it: autograd's saved tensors of a graph that
     was moved out of the scope, a live view's base. With no other holder it is freed at once.
     """
-    with no_subclass_function():
-        stand_in = _make_wrapper(DisposedTensor, (0,), dtype=tensor.dtype, device=tensor.device)
-    stand_in.__class__ = torch.Tensor  # what keeps the impl alive is a plain alias
+    stand_in = _STAND_INS.pop() if _STAND_INS else _new_stand_in()
     try:
         _swap_impl(tensor, stand_in)
     except RuntimeError:  # a C++ weak reference to the impl: autocast's weight cache?
@@ -510,6 +533,7 @@ def _let_go(tensor: torch.Tensor) -> bool:
         try:
             _swap_impl(tensor, stand_in)
         except RuntimeError:
+            _STAND_INS.append(stand_in)  # unused
             return False
     return True
 
