@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
+from typing import Any
 
 import pytest
 import torch
 from chain_helpers import (
+    Block,
     ChainMeter,
     MLPChain,
     hf_step,
@@ -204,3 +207,34 @@ def test_training_in_scopes_with_adamw_ends_with_the_plain_weights() -> None:
                 chained.compute_sequence(min_memory(chained.chain()) + chained.reserved_nbytes)
     assert ts.stats().live == 0
     assert all(torch.equal(p, q) for p, q in zip(model.parameters(), ref.parameters(), strict=True))
+
+
+class Recording(Block):
+    """Keeps a weak reference to the second output of each of its runs."""
+
+    made: list[weakref.ref[torch.Tensor]] = []
+
+    def forward(self, *args: Any, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        out = super().forward(*args, **kwargs)
+        Recording.made.append(weakref.ref(out[1]))
+        return out
+
+
+def test_block_outputs_the_model_drops_are_not_kept_alive() -> None:
+    torch.manual_seed(0)
+    model = MLPChain()
+    model.layers = nn.ModuleList(Recording(32) for _ in range(6))
+    model.train()
+    x = torch.randn(64, 32)
+    with checkpoint_chain(model) as chained:
+        mlp_step(model, x)
+        chained.compute_sequence(min_memory(chained.chain()) + chained.reserved_nbytes)
+        for _ in range(2):
+            Recording.made.clear()
+            torch.manual_seed(3)
+            loss = model(x).pow(2).mean()
+            # the model summed each block's second output and let it go: so does the chain
+            assert len(Recording.made) == 6
+            assert [r() for r in Recording.made] == [None] * 6
+            loss.backward()
+            assert all(r() is None for r in Recording.made)  # recomputations' too
