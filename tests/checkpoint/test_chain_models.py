@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import weakref
-from collections.abc import Callable
+from collections import Counter
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import pytest
@@ -21,7 +23,13 @@ from chain_helpers import (
 )
 from torch import nn
 
-from tensorscope.checkpoint import checkpoint_chain, min_memory, store_all_memory
+from tensorscope.checkpoint import (
+    Op,
+    checkpoint_chain,
+    min_memory,
+    solve,
+    store_all_memory,
+)
 from tensorscope.checkpoint.blockprobe import every_block_ops
 from tensorscope.checkpoint.solver import store_all_ops
 
@@ -35,6 +43,26 @@ def make(name: str) -> tuple[nn.Module, Callable[[nn.Module], torch.Tensor]]:
     return tiny_hf(name), hf_step
 
 
+@contextmanager
+def counting_runs(blocks: tuple[nn.Module, ...]) -> Iterator[Counter[int]]:
+    """How many times each block really runs: a pre-hook on its first submodule, which its
+    forward calls once (GPT2Block.ln_1, LlamaDecoderLayer.self_attn, BertLayer.attention)."""
+    runs: Counter[int] = Counter()
+    hooks = [
+        next(block.children()).register_forward_pre_hook(lambda *_, k=k: runs.update([k]))
+        for k, block in enumerate(blocks)
+    ]
+    try:
+        yield runs
+    finally:
+        for h in hooks:
+            h.remove()
+
+
+def forward_runs(ops: tuple[Op, ...]) -> Counter[int]:
+    return Counter(op[1] for op in ops if op[0] in ("Fn", "Fck", "Fe"))  # type: ignore[misc]
+
+
 @pytest.mark.parametrize("name", MODELS)
 def test_losses_gradients_and_buffers_equal_plain_at_every_limit(name: str) -> None:
     model, step = make(name)
@@ -46,24 +74,51 @@ def test_losses_gradients_and_buffers_equal_plain_at_every_limit(name: str) -> N
         chain = chained.chain()
         least, top = min_memory(chain), store_all_memory(chain)
         n = len(chained.blocks)
-        seen = set()
+        if name != "mlp":  # dropout in every transformers block: recomputing replays RNG
+            assert chained.profile is not None
+            assert all(p.uses_rng for p in chained.profile.layers)
+        seen = {}
         for limit in (least, (least + top) // 2, top):
             chained.compute_sequence(limit + chained.reserved_nbytes)
             assert chained.schedule is not None
-            seen.add(chained.schedule.ops)
             for _ in range(2):  # the first scheduled step re-times the blocks and re-solves
                 model.zero_grad()
                 ref.zero_grad()
-                assert torch.equal(step(model), step(ref))  # dropout masks replayed
+                with counting_runs(chained.blocks) as runs:
+                    assert torch.equal(step(model), step(ref))  # dropout masks replayed
                 assert same_state(model, ref) == []  # every parameter, chain or not; buffers
+            ops = chained.schedule.ops
+            # the blocks ran as the schedule says, and the schedule is rotor's DP's
+            assert runs == forward_runs(ops)
+            if limit < top:
+                assert ops == solve(chained.chain(), limit, slots=chained.slots).ops
+            seen[limit] = ops
         after = torch.rand(3)
     torch.manual_seed(3)  # the global random stream is the plain model's
     model.zero_grad()
     assert torch.equal(step(model), step(ref))
-    assert len(seen) == 3
-    mid = sorted(seen, key=len)[1]
+    assert len(set(seen.values())) == 3
+    mid = seen[(least + top) // 2]
     assert mid != tuple(every_block_ops(n)) and mid != tuple(store_all_ops(0, n, n))
+    # between the extremes some blocks are recomputed and some are not (not "every block")
+    assert set(forward_runs(mid).values()) >= {1, 2}
+    assert seen[top] == tuple(store_all_ops(0, n, n))  # nothing recomputed when all fits
     assert after.shape == (3,)
+
+
+@pytest.mark.parametrize("name", ["gpt2", "llama", "bert"])
+def test_without_rng_replay_recomputed_dropout_changes_the_gradients(name: str) -> None:
+    """The control for the test above: the blocks' dropout is live in the recomputations, so
+    equal gradients there come from replaying the random state."""
+    model, ref = twins(tiny_hf(name))
+    with checkpoint_chain(model, preserve_rng_state=False) as chained:
+        hf_step(model)
+        hf_step(ref)
+        chained.compute_sequence(min_memory(chained.chain()) + chained.reserved_nbytes)
+        model.zero_grad()
+        ref.zero_grad()
+        assert torch.equal(hf_step(model), hf_step(ref))  # the forward is the plain one
+        assert same_state(model, ref) != []  # recomputed blocks drew other masks
 
 
 @pytest.mark.parametrize("name", MODELS)
