@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import weakref
 from collections import Counter
 from collections.abc import Callable, Iterator
@@ -24,6 +25,7 @@ from chain_helpers import (
 from torch import nn
 
 from tensorscope.checkpoint import (
+    Checkpointable,
     Op,
     checkpoint_chain,
     min_memory,
@@ -32,6 +34,7 @@ from tensorscope.checkpoint import (
 )
 from tensorscope.checkpoint.blockprobe import every_block_ops
 from tensorscope.checkpoint.solver import store_all_ops
+from tensorscope.errors import ArgumentTypeError
 
 MODELS = ["gpt2", "llama", "bert", "mlp"]
 
@@ -293,3 +296,31 @@ def test_block_outputs_the_model_drops_are_not_kept_alive() -> None:
             assert [r() for r in Recording.made] == [None] * 6
             loss.backward()
             assert all(r() is None for r in Recording.made)  # recomputations' too
+
+
+def test_a_llama_layer_list_passed_directly() -> None:
+    """checkpoint_chain(model.model.layers, mem_limit=...): the documented equivalent of
+    Checkpointable(model.model.layers, ...), which says so."""
+    model, ref = twins(tiny_hf("llama"))
+    layers = model.model.layers
+    with pytest.raises(ArgumentTypeError, match=r"checkpoint_chain\(model\.model\.layers"):
+        Checkpointable(layers, mem_limit="1MiB")
+    sizer = copy.deepcopy(model)  # learn this chain's least and store-all memory
+    with checkpoint_chain(sizer.model.layers) as probe:
+        hf_step(sizer)
+        chain, reserved = probe.chain(), probe.reserved_nbytes
+    n = len(layers)
+    limit = (min_memory(chain) + store_all_memory(chain)) // 2 + reserved
+    with checkpoint_chain(layers, mem_limit=limit) as chained:
+        assert chained.path == "" and chained.blocks == tuple(layers)
+        for _ in range(3):  # measure, re-time, then the schedule as solved
+            model.zero_grad()
+            ref.zero_grad()
+            assert torch.equal(hf_step(model), hf_step(ref))
+            assert same_state(model, ref) == []
+        assert chained.schedule is not None
+        assert chained.schedule.peak + chained.reserved_nbytes <= limit
+        ops = chained.schedule.ops
+        assert ops not in (tuple(every_block_ops(n)), tuple(store_all_ops(0, n, n)))
+        assert "LlamaDecoderLayer" in chained.explain()
+    assert "forward" not in layers[0].__dict__
