@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from tensorscope._reach import objects_in
 from tensorscope._sites import format_site
 from tensorscope._units import format_bytes
 from tensorscope.errors import LeakWarning
@@ -44,11 +45,14 @@ def find_leaks(
     scope: DisposeScope, frame: FrameType, locals_at_entry: set[int]
 ) -> list[LeakRecord]:
     """Owned refs of ``scope`` that something outside the scope's own frame still references."""
-    # Only the scope's own frame and its locals created inside the scope may hold a ref
-    # without it being a leak; anything else (a list made before the scope, an attribute,
-    # a closure cell, a global) would keep the tensor alive beyond the step.
-    local_ids = {id(v) for v in frame.f_locals.values()} - locals_at_entry
-    ignored = {id(frame), id(frame.f_locals)}
+    # Only the scope's own frame, its locals bound inside the scope and what those locals hold
+    # (a dict of lists, a ModelOutput with its cache) may hold a ref without it being a leak;
+    # anything else (a list made before the scope, an attribute, a closure cell, a global)
+    # would keep the tensor alive beyond the step.
+    new_locals = [v for v in frame.f_locals.values() if id(v) not in locals_at_entry]
+    local_ids = {id(v) for v in new_locals}
+    ignored = {id(frame), id(frame.f_locals), id(new_locals)}
+    inside = _held_by_locals(new_locals, ignored)
     records = []
     for state in scope.owned_states():
         tensor = state()
@@ -60,11 +64,12 @@ def find_leaks(
             if not isinstance(holder, FrameType)
             and id(holder) not in ignored
             and id(holder) not in local_ids
+            and id(holder) not in inside
         ]
         if holders:
             records.append(
                 LeakRecord(
-                    tuple(tensor.shape),
+                    _shape(tensor),
                     tensor.dtype,
                     tensor.numel() * tensor.element_size(),
                     format_site(state.site),
@@ -73,6 +78,34 @@ def find_leaks(
             )
         del tensor
     return records
+
+
+def _held_by_locals(new_locals: list[object], ignored: set[int]) -> set[int]:
+    """Ids of the containers and objects reachable from the scope's new locals that nothing
+    else references (an object also referenced from outside, say a dict appended to a list
+    made before the scope, is not the scope's: what it holds leaks through it)."""
+    reachable: dict[int, object] = {}
+    for value in new_locals:
+        for item in objects_in(value):
+            if not isinstance(item, torch.Tensor):
+                reachable[id(item)] = item
+                attributes = getattr(item, "__dict__", None)
+                if isinstance(attributes, dict):  # an object's attributes hold its tensors
+                    reachable[id(attributes)] = attributes
+    # what may refer to them: each other, the frame, and this function's own bookkeeping
+    known = {id(v) for v in new_locals} | set(reachable) | ignored
+    known |= {id(reachable), id(new_locals)}
+    inside: set[int] = set()
+    for key in list(reachable):  # (not .items(): its iterator keeps the last pair alive)
+        referrers = gc.get_referrers(reachable[key])
+        if all(isinstance(r, FrameType) or id(r) in known for r in referrers):
+            inside.add(key)
+        del referrers
+    return inside
+
+
+def _shape(tensor: torch.Tensor) -> tuple[int, ...]:
+    return (tensor.size(0),) if tensor.is_nested else tuple(tensor.shape)
 
 
 def warn_leaks(scope_words: str, leaks: list[LeakRecord]) -> None:
