@@ -35,18 +35,17 @@ import ctypes
 import errno
 import mmap
 import os
-import shutil
 import tempfile
 import weakref
 from bisect import bisect_left
-from collections.abc import Callable
 
 from tensorscope._units import format_bytes
 from tensorscope.errors import ResidencyError
 from tensorscope.residency.checkpoint_files import CheckpointFile
 from tensorscope.residency.mapping import PAGE, DiskRegion, MappedFile
+from tensorscope.residency.tempdirs import PrivateDir
 
-__all__ = ["Arena", "DiskTier", "remove_private_dirs"]
+__all__ = ["Arena", "DiskTier"]
 
 LARGE = 2 << 20  # regions this large start at 2 MiB offsets (large folios, 2 MiB mappings)
 ARENA_SPAN = 8 << 30  # virtual bytes mapped per arena (the file grows inside it)
@@ -157,9 +156,12 @@ class DiskTier:
 
     def __init__(self, directory: str | None) -> None:
         self.private = directory is None
+        self._private: PrivateDir | None = None
         if directory is None:
-            self.directory = tempfile.mkdtemp(prefix="tensorscope-")
-            _PRIVATE_DIRS.add(self.directory)
+            # Named with the pid and locked: a later process can tell it is stale if this one
+            # is killed (see tempdirs.py's NOTE).
+            self._private = PrivateDir()
+            self.directory = self._private.path
         else:
             self.directory = directory
             try:
@@ -170,7 +172,11 @@ class DiskTier:
                     f"{exc.strerror}. Pass a directory you can write to, or offload_dir=None "
                     "for a private temporary one."
                 ) from exc
-        self._finalizer = weakref.finalize(self, _remove_private_dir, self.directory, self.private)
+        self._finalizer = (
+            weakref.finalize(self, PrivateDir.remove, self._private)
+            if self._private is not None
+            else None
+        )
         self.arenas: list[Arena] = []
         self.checkpoints: dict[str, MappedFile] = {}  # path -> mapped checkpoint file
         # The page cache cannot hold more than the machine's memory (see ``streams``).
@@ -366,7 +372,8 @@ class DiskTier:
         for checkpoint in list(self.checkpoints.values()):
             checkpoint.close()
         self.checkpoints = {k: f for k, f in self.checkpoints.items() if f.fd >= 0}
-        self._finalizer()
+        if self._finalizer is not None:
+            self._finalizer()
 
 
 def physical_memory() -> int:
@@ -375,21 +382,3 @@ def physical_memory() -> int:
         return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     except (ValueError, OSError, AttributeError):
         return 0
-
-
-# Private directories made by this process: removed at exit and on SIGTERM/SIGINT.
-_PRIVATE_DIRS: set[str] = set()
-
-
-def _remove_private_dir(
-    directory: str, private: bool, _rmtree: Callable[..., None] = shutil.rmtree
-) -> None:
-    if private:
-        _rmtree(directory, ignore_errors=True)
-        _PRIVATE_DIRS.discard(directory)
-
-
-def remove_private_dirs() -> None:
-    """Remove every private offload directory of this process (the signal handlers call it)."""
-    for directory in list(_PRIVATE_DIRS):
-        _remove_private_dir(directory, True)

@@ -657,7 +657,10 @@ class ResidencyManager:
 
     def reset(self) -> None:
         """Forget everything managed (data back in ordinary memory), statistics and traces;
-        ``ts.manage`` handles are removed. Configuration is kept."""
+        ``ts.manage`` handles are removed. Configuration is kept, but every resource is
+        released: the offload files are closed and unmapped, checkpoint files unmapped, the
+        private offload directory removed and the prefetch threads ended (the offload
+        directory can be unmounted now); the next move makes new ones."""
         for handle in list(self._handles):
             handle.remove()
         with self._lock:
@@ -670,3 +673,10 @@ class ResidencyManager:
             self.ops.clear_cache()
             if self._threads:
                 self._detach_threads()
+            if self._prefetcher is not None:
+                self._prefetcher.close()
+                self._prefetcher = None
+            if self._disk is not None:
+                self._disk.close()
+                self._disk = None
+            self._movers = None
