@@ -111,8 +111,8 @@ class ManagedModule:
         """
         if self._removed:
             return
+        self._manager.unmanage(self._groups)  # raises for lost bytes: then call it again later
         self._removed = True
-        self._manager.unmanage(self._groups)
 
     def __enter__(self) -> Self:
         return self

@@ -23,8 +23,10 @@ docs/residency.md.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
+import warnings
 import weakref
 from collections.abc import Hashable, Iterable
 from typing import Any
@@ -41,6 +43,7 @@ from tensorscope.errors import (
     InvalidArgumentError,
     OutOfBudgetError,
     ResidencyError,
+    ResidencyWarning,
 )
 from tensorscope.graph.order import ModuleOrder
 from tensorscope.graph.record import Recorder
@@ -49,7 +52,7 @@ from tensorscope.residency import config, room
 from tensorscope.residency.checkpoint_files import StoredTensor
 from tensorscope.residency.disk import DiskTier
 from tensorscope.residency.ledger import Ledger
-from tensorscope.residency.movers import Movers
+from tensorscope.residency.movers import Movers, describe, lost_on_remove
 from tensorscope.residency.oppath import OpPath
 from tensorscope.residency.pace import Pace
 from tensorscope.residency.placement import Placement
@@ -311,16 +314,21 @@ class ResidencyManager:
         self._threads.clear()
         set_residency_active(self, False)
 
-    def unregister(self, placement: Placement) -> None:
-        """Stop managing: the bytes go back to ordinary device memory."""
+    def unregister(self, placement: Placement, lost: str = "keep") -> str | None:
+        """Stop managing: the bytes go back to ordinary device memory. A placement whose bytes
+        are lost stays managed (every use raises ``ResidencyError``) and why is returned;
+        ``lost="poison"`` lets it go all the same, filled with NaN (see ``Movers.materialize``)."""
         with self._lock:
             if self.ledger.placements.get(placement.key) is not placement:
-                return
+                return None
             placement.wait()
             source = placement.tier
-            self.movers().materialize(placement)
+            reason = self.movers().materialize(placement, lost)
+            if reason is not None and lost == "keep":
+                return reason
             # It leaves the accounting from the tier it was on: ordinary memory is not managed.
             self._forget(placement, tier=source)
+            return reason
 
     def _forget(self, placement: Placement, tier: TierName | None = None) -> None:
         placement.wait()
@@ -447,11 +455,12 @@ class ResidencyManager:
             region.uncache()  # see the NOTE in DiskTier.streams
         self.release_heap()
 
-    def promote_placement(self, placement: Placement) -> None:
+    def promote_placement(self, placement: Placement, checked: bool = False) -> None:
         if placement.tier == "device":
             return
         movers = self.movers()
-        movers.check_readable(placement)
+        if not checked:
+            movers.check_readable(placement)
         source = placement.tier
         seconds = movers.promote(placement)
         self.ledger.moved(placement, source, seconds)
@@ -463,7 +472,8 @@ class ResidencyManager:
         """Account a placement as resident now; its bytes arrive in the background (pages
         mapped by the prefetch thread on a CPU device, a copy stream on CUDA)."""
         movers = self.movers()
-        movers.check_readable(placement)
+        if movers.damage(placement) is not None:
+            return  # lost bytes: the op that needs them raises, a prefetch must not
         source = placement.tier
         if self._device.type == "cuda":
             seconds = movers.promote(placement, background=True)
@@ -568,12 +578,22 @@ class ResidencyManager:
 
     def unmanage(self, uids: set[int]) -> None:
         """Stop managing these placements and everything grouped with them (their grads and
-        optimizer state): plain memory again."""
+        optimizer state): plain memory again.
+
+        Raises:
+            ResidencyError: some of them lost their bytes (a checkpoint truncated or changed
+                behind the manager's back); they stay managed, every other one was let go.
+        """
+        lost: list[tuple[Placement, str]] = []
         with self._lock:
             for placement in list(self.ledger.placements.values()):
                 if placement.uid in uids or placement.group in uids:
-                    self.unregister(placement)
+                    reason = self.unregister(placement)
+                    if reason is not None:
+                        lost.append((placement, reason))
             self.sweep()
+        if lost:
+            raise lost_on_remove(lost)
 
     def place_stored(
         self, stored: StoredTensor, dtype: torch.dtype, role: Hashable, parameter: bool = True
@@ -620,6 +640,14 @@ class ResidencyManager:
         with self._lock:
             self.movers().relocate(placement)
 
+    def replace_lost(self, placement: Placement) -> None:
+        """A placement whose bytes are lost gets new memory on the device, for an op that
+        overwrites all of it (room is made by the caller)."""
+        with self._lock:
+            source = placement.tier
+            self.movers().replace_lost(placement)
+            self.ledger.moved(placement, source, 0.0)
+
     def add_handle(self, handle: Any) -> None:
         self._handles.add(handle)
 
@@ -661,11 +689,15 @@ class ResidencyManager:
         released: the offload files are closed and unmapped, checkpoint files unmapped, the
         private offload directory removed and the prefetch threads ended (the offload
         directory can be unmounted now); the next move makes new ones."""
+        poisoned: list[tuple[Placement, str]] = []
         for handle in list(self._handles):
-            handle.remove()
+            with contextlib.suppress(ResidencyError):  # lost bytes: poisoned below
+                handle.remove()
         with self._lock:
             for placement in list(self.ledger.placements.values()):
-                self.unregister(placement)
+                reason = self.unregister(placement, lost="poison")
+                if reason is not None:
+                    poisoned.append((placement, reason))
             self.sweep()
             self.ledger = Ledger()
             self._recorders.clear()
@@ -680,3 +712,11 @@ class ResidencyManager:
                 self._disk.close()
                 self._disk = None
             self._movers = None
+        if poisoned:
+            names = ", ".join(f"{describe(p)} ({why})" for p, why in poisoned[:10])
+            warnings.warn(
+                f"tensorscope.residency: reset() let go of {len(poisoned)} tensor(s) whose bytes "
+                f"were lost: {names}. They now hold NaN (integers: -1), not their values.",
+                ResidencyWarning,
+                stacklevel=2,
+            )

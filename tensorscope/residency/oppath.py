@@ -22,6 +22,7 @@ from tensorscope._units import format_bytes
 from tensorscope.errors import OutOfBudgetError
 from tensorscope.policies import OpView
 from tensorscope.residency import room, split
+from tensorscope.residency.movers import lost_error
 from tensorscope.residency.placement import Placement
 from tensorscope.residency.room import Blocked
 
@@ -48,6 +49,34 @@ def _tensors(args: Iterable[Any]) -> Iterable[torch.Tensor]:
 
 def _call(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any] | None) -> Any:
     return func._op(*args, **kwargs) if kwargs else func._op(*args)
+
+
+_aten = torch.ops.aten
+# In-place ops whose result does not depend on the destination's old bytes.
+_OVERWRITES = frozenset(
+    {
+        _aten.copy_.default,
+        _aten.fill_.Scalar,
+        _aten.fill_.Tensor,
+        _aten.zero_.default,
+        _aten.normal_.default,
+        _aten.uniform_.default,
+    }
+)
+
+
+def _overwritten(func: Any, args: tuple[Any, ...]) -> int | None:
+    """The storage an op overwrites whole without reading it (``copy_`` into a whole tensor,
+    ``fill_``...): its bytes may be lost (``Movers.replace_lost``). None for any other op."""
+    if func not in _OVERWRITES or not args or not isinstance(args[0], torch.Tensor):
+        return None
+    dest = args[0]
+    if dest.layout is not torch.strided or dest.device.type == "meta":
+        return None
+    whole = dest.numel() * dest.element_size() == dest.untyped_storage().nbytes()
+    if not whole or dest.storage_offset() != 0 or not dest.is_contiguous():
+        return None
+    return storage_address(dest)
 
 
 class _Uncacheable(Exception):
@@ -169,7 +198,9 @@ class OpPath:
                 return split.join_results(
                     [self.run(func, kind, a, k, results_due) for a, k in calls]
                 )
-        estimate = self._before(func, operands, estimate, slack, kind == MUTATING)
+        mutating = kind == MUTATING
+        overwritten = _overwritten(func, args) if mutating else None
+        estimate = self._before(func, operands, estimate, slack, mutating, overwritten)
         try:
             out = _call(func, args, kwargs)
         except BaseException:
@@ -179,7 +210,13 @@ class OpPath:
         return out
 
     def _before(
-        self, func: Any, operands: list[Placement], estimate: int, slack: int, mutating: bool
+        self,
+        func: Any,
+        operands: list[Placement],
+        estimate: int,
+        slack: int,
+        mutating: bool,
+        overwritten: int | None = None,
     ) -> int:
         """Make the op ready to run; returns the bytes reserved for its results."""
         manager = self.manager
@@ -194,7 +231,7 @@ class OpPath:
             budget = manager.budget_bytes
             if budget is not None:  # never refuse an op for the slack alone
                 estimate -= slack - max(0, min(slack, budget - need))
-            while not self._make_resident(operands, estimate, mutating, name):
+            while not self._make_resident(operands, estimate, mutating, name, overwritten):
                 manager._room.wait(_WAIT_S)  # other threads' ops hold the room: wait for one
             manager.ledger.reserved += estimate
             manager.in_flight += 1
@@ -213,7 +250,12 @@ class OpPath:
         return estimate
 
     def _make_resident(
-        self, operands: list[Placement], estimate: int, mutating: bool, name: str
+        self,
+        operands: list[Placement],
+        estimate: int,
+        mutating: bool,
+        name: str,
+        overwritten: int | None = None,
     ) -> bool:
         """Pin the operands and make them resident, with room for the results; False (and
         nothing pinned) when only other threads' ops in flight can free the room."""
@@ -222,18 +264,19 @@ class OpPath:
             placement.pins += 1
         try:
             movers = manager.movers()
-            files: dict[int, Placement] = {}
-            for placement in operands:
-                region = placement.region
-                if region is not None:
-                    files.setdefault(id(region.file), placement)
-            for placement in files.values():
-                movers.check_readable(placement)
-            missing = [p for p in operands if p.tier != "device"]
-            needed = sum(p.nbytes for p in missing) + estimate
+            renewed: list[Placement] = []
+            for placement, reason in movers.lost(operands):
+                if placement.key != overwritten:
+                    raise lost_error(placement, reason)
+                renewed.append(placement)  # lost, but the op overwrites all of it
+            missing = [p for p in operands if p.tier != "device" or p in renewed]
+            needed = sum(p.nbytes for p in missing if p.tier != "device") + estimate
             manager.make_room(needed, f"op {name}", holding_pins=True)
             for placement in missing:
-                manager.promote_placement(placement)
+                if placement in renewed:
+                    manager.replace_lost(placement)
+                else:
+                    manager.promote_placement(placement, checked=True)
             if mutating:  # copy on first write: a checkpoint file is never modified
                 for placement in operands:
                     if placement.region is not None and placement.region.readonly:
