@@ -36,7 +36,7 @@ import torch
 from tensorscope import _intercept
 from tensorscope._slot import set_residency_active
 from tensorscope._thread import ThreadState, thread_state
-from tensorscope._torch import cuda_stream, no_dispatch, tensor_over
+from tensorscope._torch import cuda_stream, no_dispatch, storage_address, tensor_over
 from tensorscope._units import format_bytes
 from tensorscope.errors import (
     ArgumentTypeError,
@@ -332,10 +332,15 @@ class ResidencyManager:
 
     def _forget(self, placement: Placement, tier: TierName | None = None) -> None:
         placement.wait()
-        if placement.restore is not None:  # a ts.manage()d tensor gets its class back
-            tensor, original = placement.restore[0](), placement.restore[1]
-            if tensor is not None:
+        for ref, original in placement.restore:  # a ts.manage()d tensor gets its class back
+            tensor = ref()
+            # ...unless it holds another managed storage now (its data was replaced: .half(),
+            # .data = ..., set_()): that placement gives the class back when it goes.
+            if tensor is not None and (
+                storage_address(tensor) == placement.key or self.ledger.find(tensor) is None
+            ):
                 tensor.__class__ = original
+        placement.restore = []
         region = self.ledger.forget(placement, tier)
         if region is not None and self._disk is not None:
             # Nothing uses its memory any more (the storage died, or has other memory now).
@@ -547,34 +552,46 @@ class ResidencyManager:
                 self.prefetch(placement)
 
     # ------------------------------------------------------------------------ ts.manage()
-    def manage_tensor(self, tensor: torch.Tensor, role: Hashable) -> Placement:
-        """Register a module's tensor for ``ts.manage()``: room is made first, so the
-        accounted peak stays within the budget from the start; a tensor larger than the whole
-        budget starts on the tier below."""
+    def manage_tensor(
+        self, tensor: torch.Tensor, role: Hashable | None, group: int = 0
+    ) -> Placement:
+        """Register a module's tensor for ``ts.manage()`` (or a gradient of one, in ``group``):
+        room is made first, so the accounted peak stays within the budget from the start; a
+        tensor larger than the whole budget starts on the tier below."""
         with self._lock:
             budget = self._budget
             if self.ledger.find(tensor) is None and budget is not None:
                 nbytes = tensor.untyped_storage().nbytes()
                 if nbytes <= budget:
                     self.make_room(nbytes, "ts.manage()")
-            placement = self.register(tensor, role=role)
+            placement = self.register(tensor, role=role, group=group)
             if isinstance(tensor, torch.nn.Parameter):  # buffers are used out of module order
                 self.order.add(placement.role, placement.nbytes)
             if budget is not None and placement.nbytes > budget:
                 self.demote_placement(placement)
             return placement
 
-    def settle(self, uids: set[int]) -> None:
+    def claim(self, placement: Placement, role: Hashable) -> None:
+        """A placement made by an op (``module.half()`` in a scope) becomes a module's tensor,
+        named ``role``: it leaves its group and takes part in the first iteration's guess."""
+        with self._lock:
+            self.ledger.rename(placement, role)
+            placement.group = 0
+            self.order.add(role, placement.nbytes)
+
+    def settle(self, uids: set[int], whole: bool = True) -> None:
         """End of ``ts.manage()``: under a budget on a CPU device, the weights that stay
         resident move into the disk tier's files too (still mapped), so all of their old heap
         memory goes back to the OS now rather than during the first forward; then the files
-        are flushed (written back now, not while the first iterations run)."""
+        are flushed (written back now, not while the first iterations run). ``whole=False``
+        (a few tensors added later): no trim of the heap below 64 MiB, no flush."""
         with self._lock:
             self.make_room(0, "ts.manage()")
             if self._budget is not None:
                 self.back_with_files(uids)
-            self.release_heap(threshold=0)
-        self.flush_disk()
+            self.release_heap(threshold=0 if whole else 64 << 20)
+        if whole:
+            self.flush_disk()
 
     def unmanage(self, uids: set[int]) -> None:
         """Stop managing these placements and everything grouped with them (their grads and

@@ -21,7 +21,7 @@ from tensorscope._torch import no_dispatch, storage_address
 from tensorscope._units import format_bytes
 from tensorscope.errors import OutOfBudgetError
 from tensorscope.policies import OpView
-from tensorscope.residency import room, split
+from tensorscope.residency import room, split, watch
 from tensorscope.residency.movers import lost_error
 from tensorscope.residency.placement import Placement
 from tensorscope.residency.room import Blocked
@@ -52,6 +52,11 @@ def _call(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any] | None) -> An
 
 
 _aten = torch.ops.aten
+# ``t.set_(source)``: ``t`` takes another storage (its own is left to whoever else holds it).
+_SETS = frozenset(
+    getattr(_aten.set_, name)
+    for name in _aten.set_.overloads()  # type: ignore[no-untyped-call]
+)
 # In-place ops whose result does not depend on the destination's old bytes.
 _OVERWRITES = frozenset(
     {
@@ -61,6 +66,7 @@ _OVERWRITES = frozenset(
         _aten.zero_.default,
         _aten.normal_.default,
         _aten.uniform_.default,
+        *_SETS,
     }
 )
 
@@ -200,6 +206,7 @@ class OpPath:
                 )
         mutating = kind == MUTATING
         overwritten = _overwritten(func, args) if mutating else None
+        replacing = watch.before_data_change(args[0]) if func in _SETS else None
         estimate = self._before(func, operands, estimate, slack, mutating, overwritten)
         try:
             out = _call(func, args, kwargs)
@@ -207,6 +214,8 @@ class OpPath:
             self._abort(operands, estimate)
             raise
         self._after(func, operands, (estimate, signature), out, manage_results, kind, group)
+        if replacing is not None:  # parametrize's original.set_(new): see watch.py
+            watch.data_replaced(args[0], replacing)
         return out
 
     def _before(
