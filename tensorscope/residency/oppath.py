@@ -10,6 +10,7 @@ that fit (``split.py``).
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Hashable, Iterable
 from typing import TYPE_CHECKING, Any
@@ -181,7 +182,7 @@ class OpPath:
         results_due: bool,
     ) -> Any:
         operands = self.operands(args, kwargs)
-        if not operands:
+        if not operands and (kind != GRAD_CANDIDATE or not self._grad_of_managed()):
             return _call(func, args, kwargs)
         manager = self.manager
         group = 0
@@ -391,6 +392,7 @@ class OpPath:
             if found is None:
                 placement = Placement(tensor.untyped_storage(), ("new", position, index), group)
                 placement.last_use = manager.clock
+                self._fit(placement)
                 manager.add(placement)
                 made += placement.nbytes
             else:
@@ -400,6 +402,19 @@ class OpPath:
             if placement not in results:
                 results.append(placement)
         return results, made
+
+    def _fit(self, placement: Placement) -> None:
+        """Room for a result the estimate did not cover (a ``.grad`` stolen from an unmanaged
+        gradient is an alias: no fresh bytes): demote others, or else it starts on the tier
+        below (as ``ts.manage()`` does with a tensor larger than the budget)."""
+        manager = self.manager
+        budget = manager.budget_bytes
+        if budget is None or manager.ledger.device_total + placement.nbytes <= budget:
+            return
+        with contextlib.suppress(Blocked, OutOfBudgetError):
+            manager.make_room(placement.nbytes, "a result", holding_pins=True)
+        if manager.ledger.device_total + placement.nbytes > budget:
+            manager.movers().demote(placement, manager.tiers[1])
 
     # -------------------------------------------------------------------------- estimates
     def estimate_results(
@@ -435,6 +450,13 @@ class OpPath:
         cached = self._meta_cache.get(signature)
         if cached is not None:
             self._meta_cache[signature] = (max(cached[0], made), True)
+
+    def _grad_of_managed(self) -> bool:
+        """Whether autograd is making the ``.grad`` of a managed tensor right now: the
+        gradient is managed even when what it is made from is not (a plain input's backward,
+        DDP's bucket)."""
+        leaf = accumulate_grad_leaf()
+        return leaf is not None and self.manager.ledger.find(leaf) is not None
 
     def _split(
         self,

@@ -218,3 +218,30 @@ def test_nothing_accumulates_across_managed_training_steps() -> None:
         )
     assert len(set(seen[1:])) == 1, seen  # placements, cached op signatures, live refs
     handle.remove()
+
+
+@pytest.mark.parametrize("policy", ["flow", "genoa"])
+def test_grads_made_outside_scopes_are_managed_within_the_budget(policy: str) -> None:
+    """A ``.grad`` autograd makes from unmanaged tensors (a backward outside any scope, with a
+    plain input) is the parameter's gradient all the same: managed, counted, under the budget."""
+    torch.manual_seed(0)
+    reference = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 64), nn.Linear(64, 8))
+    model = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 64), nn.Linear(64, 8))
+    model.load_state_dict(reference.state_dict())
+    budget = 40 * 1024  # weights 34 KiB, with their gradients 68 KiB
+    ts.residency.configure(policy=policy, budget=budget)
+    handle = ts.manage(model)
+    for net in (model, reference):
+        optimizer = torch.optim.SGD(net.parameters(), lr=0.1)
+        for step in range(3):
+            x = torch.randn(4, 64, generator=torch.Generator().manual_seed(step))
+            optimizer.zero_grad()
+            net(x).square().mean().backward()  # no scope
+            optimizer.step()
+    grads = [p.grad for p in model.parameters()]
+    assert all(g is not None and ts.residency.placement_of(g) is not None for g in grads)
+    report = ts.residency.report()
+    assert report.peak_bytes <= budget and report.tiers["disk"].peak_bytes > 0
+    for ours, theirs in zip(model.parameters(), reference.parameters(), strict=True):
+        assert torch.equal(ours, theirs) and torch.equal(ours.grad, theirs.grad)
+    handle.remove()
