@@ -48,6 +48,7 @@ class ManagedModule:
         self._count = 0
         self._groups: set[int] = set()
         self._removed = False
+        self._refused: set[int] = set()  # ids of tensors named in a warning already
 
     def _add(self, tensor: torch.Tensor, name: str) -> Placement:
         # Roles name a tensor across iterations (Flow's predictions); the handle's id keeps two
@@ -92,18 +93,43 @@ class ManagedModule:
             return True
         problem = unmanageable(tensor, self.manager)
         if problem is not None:
-            warnings.warn(
-                f"tensorscope.residency: {name} of the managed module is {problem}, so it stays "
-                "in ordinary memory, unmanaged (outside the budget). Move it to "
-                f"{self.manager.device} (or give it a value) and call handle.refresh().",
-                ResidencyWarning,
-                stacklevel=3,
-            )
+            self._refuse(tensor, name, problem)
             return False
         placement = self._add(tensor, name)
         if settle:
             self.manager.settle({placement.uid}, whole=False)
         return True
+
+    def _refuse(self, tensor: torch.Tensor, name: str, problem: str) -> None:
+        """A tensor of the module that cannot be managed: a sharded one (a ``DTensor``) raises,
+        any other is named once in a ``ResidencyWarning``."""
+        if is_traceable_wrapper_subclass(tensor):
+            raise ResidencyError(
+                f"tensorscope.residency: {name} of the managed module is now a "
+                f"{type(tensor).__name__}: FSDP2's fully_shard or tensor parallelism replaced it "
+                "after ts.manage(), and ts.manage() moves dense tensors only, so the module is "
+                "no longer under the budget. Call handle.remove() before sharding the model (a "
+                "sharded model cannot be managed)."
+            )
+        if id(tensor) in self._refused:
+            return
+        self._refused.add(id(tensor))
+        warnings.warn(
+            f"tensorscope.residency: {name} of the managed module is {problem}, so it stays in "
+            "ordinary memory, unmanaged (outside the budget). Move it to "
+            f"{self.manager.device} (or give it a value) and call handle.refresh().",
+            ResidencyWarning,
+            stacklevel=4,
+        )
+
+    def complete(self) -> bool:
+        """Whether every parameter of the module is managed (or was refused already): what
+        ``watch.audit()`` asks at each optimizer step, to find changes no hook saw."""
+        placement_of = self.manager.placement_of
+        refused = self._refused
+        return all(
+            id(p) in refused or placement_of(p) is not None for p in self.module.parameters()
+        )
 
     def readopt(self, tensor: torch.Tensor, old: Placement, settle: bool) -> None:
         """``tensor``'s data was replaced (``.data = ...``, ``set_()``, ``module.half()``):

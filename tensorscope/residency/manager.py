@@ -48,7 +48,7 @@ from tensorscope.errors import (
 from tensorscope.graph.order import ModuleOrder
 from tensorscope.graph.record import Recorder
 from tensorscope.policies import Action, Flow, Policy
-from tensorscope.residency import config, room
+from tensorscope.residency import config, room, watch
 from tensorscope.residency.checkpoint_files import StoredTensor
 from tensorscope.residency.disk import DiskTier
 from tensorscope.residency.ledger import Ledger
@@ -419,6 +419,7 @@ class ResidencyManager:
         with self._lock:
             self.recorder().boundary()
             self.iteration_end()
+        watch.audit()  # tensors a module gained that no hook saw (see watch.py)
 
     def iteration_end(self) -> None:
         self.order.restart()

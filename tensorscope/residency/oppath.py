@@ -53,6 +53,7 @@ def _call(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any] | None) -> An
 
 
 _aten = torch.ops.aten
+_CAT = _aten.cat.default
 # ``t.set_(source)``: ``t`` takes another storage (its own is left to whoever else holds it).
 _SETS = frozenset(
     getattr(_aten.set_, name)
@@ -200,6 +201,8 @@ class OpPath:
         )
         budget = manager.budget_bytes
         if budget is not None and sum(p.nbytes for p in operands) + estimate > budget:
+            if func is _CAT and not manage_results:
+                return self._cat_in_pieces(func, kind, args, kwargs or {}, budget)
             calls = self._split(func, args, kwargs or {}, budget, manage_results)
             if calls is not None:
                 return split.join_results(
@@ -457,6 +460,52 @@ class OpPath:
         DDP's bucket)."""
         leaf = accumulate_grad_leaf()
         return leaf is not None and self.manager.ledger.find(leaf) is not None
+
+    def _cat_in_pieces(
+        self,
+        func: Any,
+        kind: int,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        budget: int,
+    ) -> torch.Tensor:
+        """``torch.cat`` of managed tensors larger than the budget, into an unmanaged result
+        (outside a scope): the result is made whole, its operands are concatenated in groups
+        that fit and copied into place.
+
+        # NOTE [flattening for communication]
+        # ``DistributedDataParallel`` broadcasts every parameter at construction, and its
+        # buffers before each forward, by flattening them into one tensor per bucket (250 MiB):
+        # ``torch.cat`` of all of them. The result is the communication buffer, not a managed
+        # tensor; only the operands must be resident, and each only while it is copied.
+        """
+        tensors = list(kwargs.get("tensors", args[0] if args else []))
+        dim = kwargs.get("dim", args[1] if len(args) > 1 else 0)
+        placements = self.manager.ledger.placements
+        groups: list[list[torch.Tensor]] = [[]]
+        total = 0
+        for tensor in tensors:
+            placement = placements.get(storage_address(tensor))
+            nbytes = placement.nbytes if placement is not None else 0
+            self.manager.check_fits(nbytes, f"op {func} (one of its tensors)")
+            if groups[-1] and total + nbytes > budget:
+                groups.append([])
+                total = 0
+            groups[-1].append(tensor)
+            total += nbytes
+        with no_dispatch():
+            shape = _call(func, _to_meta((tensors, dim)), None).shape
+            out = torch.empty(shape, dtype=tensors[0].dtype, device=tensors[0].device)
+        offset = 0
+        for group in groups:
+            part = self.run(func, kind, (group, dim), None, False)
+            if part.numel() == 0:
+                continue
+            length = part.shape[dim]
+            with no_dispatch():
+                out.narrow(dim, offset, length).copy_(part)
+            offset += length
+        return out
 
     def _split(
         self,

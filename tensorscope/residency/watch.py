@@ -20,9 +20,10 @@ used to leave the new tensor silently unmanaged (ordinary memory, outside the bu
 # after the outermost call returns, the handles of the managed modules it touched are refreshed
 # (``handle.refresh()``: everything of the module not managed yet is). What none of these see —
 # a library writing ``module._parameters[name]`` itself — ``handle.refresh()`` manages when
-# called. A tensor that cannot be managed (on the meta device, another device, not dense, a
-# tensor subclass such as a ``DTensor``) is left in ordinary memory with a ``ResidencyWarning``
-# naming it.
+# called, and ``audit()`` at every optimizer step (it costs one lookup per parameter). A tensor
+# that cannot be managed (on the meta device, another device, not dense) is left in ordinary
+# memory with a ``ResidencyWarning`` naming it; a sharded one (FSDP2's ``DTensor``) raises
+# ``ResidencyError``: the whole model would silently leave the budget.
 """
 
 from __future__ import annotations
@@ -46,6 +47,7 @@ __all__ = [
     "Handle",
     "alias_made",
     "applying",
+    "audit",
     "before_data_change",
     "data_replaced",
     "install",
@@ -73,6 +75,10 @@ class Handle(Protocol):
 
     def refresh(self) -> list[str]:
         """Manage every tensor of the module that is not managed yet."""
+        ...
+
+    def complete(self) -> bool:
+        """Whether every parameter of the module is managed (or was refused already)."""
         ...
 
 
@@ -130,6 +136,15 @@ def alias_made(param: torch.Tensor, alias: torch.Tensor) -> None:
     before = before_data_change(param)
     if before is not None:
         before[1].restore.append((weakref.ref(alias), nn.Parameter))
+
+
+def audit() -> None:
+    """At each optimizer step: refresh the handles whose modules have a parameter that no hook
+    saw arrive (written into ``module._parameters`` directly: FSDP2's ``fully_shard`` after
+    ``ts.manage()``, some loaders). One parameter lookup per parameter when nothing changed."""
+    for handle in list(HANDLES):
+        if not handle.removed and not handle.complete():
+            handle.refresh()
 
 
 # ----------------------------------------------------------------------------------- hooks

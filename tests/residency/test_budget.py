@@ -245,3 +245,23 @@ def test_grads_made_outside_scopes_are_managed_within_the_budget(policy: str) ->
     for ours, theirs in zip(model.parameters(), reference.parameters(), strict=True):
         assert torch.equal(ours, theirs) and torch.equal(ours.grad, theirs.grad)
     handle.remove()
+
+
+def test_a_cat_of_managed_tensors_larger_than_the_budget_runs_in_pieces() -> None:
+    """Outside a scope the result of ``torch.cat`` is not managed, so only its operands must
+    fit, one group at a time (DDP flattens every parameter so to broadcast them)."""
+    torch.manual_seed(0)
+    tensors = [ts.ref(torch.randn(1024)) for _ in range(6)]  # 4 KiB each, 24 KiB in all
+    expected = torch.cat([t.detach().clone() for t in tensors])
+    ts.residency.configure(policy="flow", budget=10 * 1024)
+    for t in tensors:
+        t.demote()
+    ts.residency.report(reset=True)
+    assert torch.equal(torch.cat(tensors), expected)
+    assert torch.equal(
+        torch.cat([t.view(32, 32) for t in tensors], dim=1),
+        expected.view(6, 32, 32).permute(1, 0, 2).reshape(32, 192),
+    )
+    assert ts.residency.report().peak_bytes <= 10 * 1024
+    with ts.scope(), pytest.raises(ts.OutOfBudgetError, match="cat"):
+        torch.cat(tensors)  # in a scope the result is managed: it must fit with its operands
