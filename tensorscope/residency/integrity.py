@@ -27,16 +27,16 @@ import hashlib
 import os
 import struct
 from collections.abc import Iterator
-from dataclasses import dataclass
+from typing import NamedTuple
 
 __all__ = ["FileStatus", "fingerprint", "header_digest", "reader", "status"]
 
 WINDOW = 64  # bytes per sampled window
 
 
-@dataclass(frozen=True)
-class FileStatus:
-    """What ``fstat`` says of a file that matters for its bytes (not its name or inode)."""
+class FileStatus(NamedTuple):
+    """What ``fstat`` says of a file that matters for its bytes (not its name or inode); a
+    tuple, compared at every op (the check costs one ``fstat``, ~2 µs here)."""
 
     size: int
     mtime_ns: int

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Hashable, Iterable
+from collections.abc import Hashable
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -23,6 +23,7 @@ from tensorscope._units import format_bytes
 from tensorscope.errors import OutOfBudgetError
 from tensorscope.policies import OpView
 from tensorscope.residency import room, split, watch
+from tensorscope.residency.estimate import Estimates, call, result_sizes, tensors, to_meta
 from tensorscope.residency.movers import lost_error
 from tensorscope.residency.placement import Placement
 from tensorscope.residency.room import Blocked
@@ -34,22 +35,6 @@ __all__ = ["OpPath"]
 
 _SWEEP_EVERY = 64  # ops between sweeps of placements nothing else holds any more
 _WAIT_S = 0.05  # re-check for room this often while other threads' ops hold it
-_META_CACHE_LIMIT = 4096  # op signatures whose result sizes are remembered
-_FIRST_RUN_SLACK = 512  # bytes beyond the meta estimate until a run taught the real size
-
-
-def _tensors(args: Iterable[Any]) -> Iterable[torch.Tensor]:
-    for arg in args:
-        if isinstance(arg, torch.Tensor):
-            yield arg
-        elif isinstance(arg, (list, tuple)):
-            for item in arg:
-                if isinstance(item, torch.Tensor):
-                    yield item
-
-
-def _call(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any] | None) -> Any:
-    return func._op(*args, **kwargs) if kwargs else func._op(*args)
 
 
 _aten = torch.ops.aten
@@ -87,85 +72,22 @@ def _overwritten(func: Any, args: tuple[Any, ...]) -> int | None:
     return storage_address(dest)
 
 
-class _Uncacheable(Exception):
-    """An argument that cannot be part of a cache key (the estimate is then not cached)."""
-
-
-def _signature(value: Any) -> Hashable:
-    """What decides an op's result sizes: tensor metadata and non-float arguments.
-
-    Floats (a learning rate, a step size) never decide shapes and change every step: keeping
-    their values would grow the cache without bound.
-    """
-    if isinstance(value, torch.Tensor):
-        return ("T", tuple(value.shape), value.stride(), value.dtype, value.device.type)
-    if isinstance(value, float):
-        return float
-    if isinstance(value, (list, tuple)):
-        return tuple(_signature(v) for v in value)
-    if isinstance(value, dict):
-        return tuple((k, _signature(v)) for k, v in value.items())
-    try:
-        hash(value)
-    except TypeError:
-        raise _Uncacheable from None
-    return value  # type: ignore[no-any-return]
-
-
-_META = torch.device("meta")
-
-
-def _to_meta(value: Any) -> Any:
-    """The op's arguments on the meta device (a ``device=`` argument too: ``_to_copy``)."""
-    if isinstance(value, torch.Tensor):
-        return torch.empty_strided(
-            tuple(value.shape), value.stride(), dtype=value.dtype, device="meta"
-        )
-    if isinstance(value, torch.device):
-        return _META
-    if isinstance(value, (list, tuple)):
-        return type(value)(_to_meta(v) for v in value)
-    return value
-
-
-def _result_sizes(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[int] | None:
-    """Bytes of each fresh result tensor of ``func`` (a meta run); None without a meta kernel."""
-    try:
-        meta_args = _to_meta(args)
-        meta_kwargs = {k: _to_meta(v) for k, v in kwargs.items()}
-        inputs = {storage_address(t) for t in _tensors((*meta_args, *meta_kwargs.values()))}
-        with no_dispatch(), torch.no_grad():
-            out = _call(func, meta_args, meta_kwargs)
-    except Exception:  # no meta kernel: accounted after the op instead
-        return None
-    flat = out if isinstance(out, (list, tuple)) else (out,)
-    sizes = []
-    for item in flat:
-        group = item if isinstance(item, (list, tuple)) else (item,)
-        for tensor in group:
-            if isinstance(tensor, torch.Tensor) and storage_address(tensor) not in inputs:
-                sizes.append(tensor.untyped_storage().nbytes())
-            else:
-                sizes.append(0)
-    return sizes
-
-
 class OpPath:
     """Runs ops on managed tensors for the manager (see the module docstring)."""
 
     def __init__(self, manager: ResidencyManager) -> None:
         self.manager = manager
-        self._meta_cache: dict[Hashable, tuple[int, bool]] = {}  # bytes, learned from a run
+        self.estimates = Estimates()  # result sizes per op signature
 
     def clear_cache(self) -> None:
-        self._meta_cache.clear()
+        self.estimates.clear()
 
     def operands(self, args: tuple[Any, ...], kwargs: dict[str, Any] | None) -> list[Placement]:
         """The distinct placements of the managed tensors among an op's arguments."""
         found: list[Placement] = []
         placements = self.manager.ledger.placements
         for source in (args, kwargs.values()) if kwargs else (args,):
-            for tensor in _tensors(source):
+            for tensor in tensors(source):
                 if tensor.layout is not torch.strided or tensor.device.type == "meta":
                     continue
                 placement = placements.get(storage_address(tensor))
@@ -184,7 +106,7 @@ class OpPath:
     ) -> Any:
         operands = self.operands(args, kwargs)
         if not operands and (kind != GRAD_CANDIDATE or not self._grad_of_managed()):
-            return _call(func, args, kwargs)
+            return call(func, args, kwargs)
         manager = self.manager
         group = 0
         manage_results = False
@@ -197,7 +119,7 @@ class OpPath:
             else:
                 manage_results = results_due
         estimate, slack, signature = (
-            self.estimate_results(func, args, kwargs or {}) if manage_results else (0, 0, None)
+            self.estimates.estimate(func, args, kwargs or {}) if manage_results else (0, 0, None)
         )
         budget = manager.budget_bytes
         if budget is not None and sum(p.nbytes for p in operands) + estimate > budget:
@@ -213,7 +135,7 @@ class OpPath:
         replacing = watch.before_data_change(args[0]) if func in _SETS else None
         estimate = self._before(func, operands, estimate, slack, mutating, overwritten)
         try:
-            out = _call(func, args, kwargs)
+            out = call(func, args, kwargs)
         except BaseException:
             self._abort(operands, estimate)
             raise
@@ -338,7 +260,7 @@ class OpPath:
             results: list[Placement] = []
             if manage_results:
                 results, made = self._register_results(out, operands, group)
-                self._learn(signature, made)
+                self.estimates.learn(signature, made)
             for placement in operands:  # the op is done with them
                 placement.pins -= 1
             manager._room.notify_all()
@@ -388,7 +310,7 @@ class OpPath:
             group = operands[0].group or operands[0].uid
         position = manager.recorder().position
         results: list[Placement] = []
-        for index, tensor in enumerate(_tensors(out if isinstance(out, (list, tuple)) else (out,))):
+        for index, tensor in enumerate(tensors(out if isinstance(out, (list, tuple)) else (out,))):
             if tensor.layout is not torch.strided or tensor.numel() == 0:
                 continue
             found = ledger.placements.get(storage_address(tensor))
@@ -420,40 +342,6 @@ class OpPath:
             manager.movers().demote(placement, manager.tiers[1])
 
     # -------------------------------------------------------------------------- estimates
-    def estimate_results(
-        self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
-    ) -> tuple[int, int, Hashable | None]:
-        """Bytes of fresh results ``func`` will allocate (slack included), the slack, and the
-        op's signature.
-
-        # NOTE [result sizes]
-        # A meta run gives the sizes; some CPU kernels allocate more than their meta kernel
-        # (``mse_loss``'s 0-d result has a 128-byte storage, its meta one 4 bytes). So the bytes
-        # actually made are learned per signature after each run (``_learn``), and until then
-        # the estimate carries a little slack: the budget stays a hard limit.
-        """
-        try:
-            key: Hashable = (func, _signature(args), _signature(kwargs))
-        except _Uncacheable:
-            nbytes = sum(_result_sizes(func, args, kwargs) or ())
-            return nbytes + _FIRST_RUN_SLACK, _FIRST_RUN_SLACK, None
-        cached = self._meta_cache.get(key)
-        if cached is None:
-            cached = (sum(_result_sizes(func, args, kwargs) or ()), False)
-            if len(self._meta_cache) >= _META_CACHE_LIMIT:
-                self._meta_cache.clear()  # shapes changed a lot: start afresh
-            self._meta_cache[key] = cached
-        nbytes, learned = cached
-        slack = 0 if learned else _FIRST_RUN_SLACK
-        return nbytes + slack, slack, key
-
-    def _learn(self, signature: Hashable | None, made: int) -> None:
-        if signature is None:
-            return
-        cached = self._meta_cache.get(signature)
-        if cached is not None:
-            self._meta_cache[signature] = (max(cached[0], made), True)
-
     def _grad_of_managed(self) -> bool:
         """Whether autograd is making the ``.grad`` of a managed tensor right now: the
         gradient is managed even when what it is made from is not (a plain input's backward,
@@ -470,42 +358,21 @@ class OpPath:
         budget: int,
     ) -> torch.Tensor:
         """``torch.cat`` of managed tensors larger than the budget, into an unmanaged result
-        (outside a scope): the result is made whole, its operands are concatenated in groups
-        that fit and copied into place.
-
-        # NOTE [flattening for communication]
-        # ``DistributedDataParallel`` broadcasts every parameter at construction, and its
-        # buffers before each forward, by flattening them into one tensor per bucket (250 MiB):
-        # ``torch.cat`` of all of them. The result is the communication buffer, not a managed
-        # tensor; only the operands must be resident, and each only while it is copied.
-        """
-        tensors = list(kwargs.get("tensors", args[0] if args else []))
-        dim = kwargs.get("dim", args[1] if len(args) > 1 else 0)
+        (see split.py's NOTE on flattening for communication)."""
+        parts, dim = split.cat_arguments(args, kwargs)
         placements = self.manager.ledger.placements
-        groups: list[list[torch.Tensor]] = [[]]
-        total = 0
-        for tensor in tensors:
+        sizes = []
+        for tensor in parts:
             placement = placements.get(storage_address(tensor))
-            nbytes = placement.nbytes if placement is not None else 0
-            self.manager.check_fits(nbytes, f"op {func} (one of its tensors)")
-            if groups[-1] and total + nbytes > budget:
-                groups.append([])
-                total = 0
-            groups[-1].append(tensor)
-            total += nbytes
+            sizes.append(placement.nbytes if placement is not None else 0)
+            self.manager.check_fits(sizes[-1], f"op {func} (one of its tensors)")
         with no_dispatch():
-            shape = _call(func, _to_meta((tensors, dim)), None).shape
-            out = torch.empty(shape, dtype=tensors[0].dtype, device=tensors[0].device)
-        offset = 0
-        for group in groups:
-            part = self.run(func, kind, (group, dim), None, False)
-            if part.numel() == 0:
-                continue
-            length = part.shape[dim]
-            with no_dispatch():
-                out.narrow(dim, offset, length).copy_(part)
-            offset += length
-        return out
+            meta = call(func, to_meta((parts, dim)), None)
+
+        def run(group: list[torch.Tensor]) -> torch.Tensor:
+            return self.run(func, kind, (group, dim), None, False)  # type: ignore[no-any-return]
+
+        return split.cat_in_pieces(parts, dim, sizes, budget, meta, run)
 
     def _split(
         self,
@@ -518,7 +385,7 @@ class OpPath:
         """Calls of a multi-tensor op on index groups that fit the budget (None: not one)."""
         if not split.is_multi_tensor(func):
             return None
-        sizes = _result_sizes(func, args, kwargs) if manage_results else None
+        sizes = result_sizes(func, args, kwargs) if manage_results else None
         listed: set[int] = set()
 
         def index_bytes(index: int) -> int:

@@ -214,7 +214,7 @@ def test_nothing_accumulates_across_managed_training_steps() -> None:
             loss.backward()
             opt.step()
         seen.append(
-            (ts.residency.managed_count(), len(ts.residency.ops._meta_cache), ts.stats().live)
+            (ts.residency.managed_count(), len(ts.residency.ops.estimates.cache), ts.stats().live)
         )
     assert len(set(seen[1:])) == 1, seen  # placements, cached op signatures, live refs
     handle.remove()
