@@ -15,6 +15,7 @@ import os
 import warnings
 import weakref
 from types import TracebackType
+from typing import Any
 
 import torch
 from torch import nn
@@ -49,6 +50,7 @@ class ManagedModule:
         self._groups: set[int] = set()
         self._removed = False
         self._refused: set[int] = set()  # ids of tensors named in a warning already
+        self._seen: list[tuple[dict[str, Any], list[tuple[str, Any]]]] = []  # see complete()
 
     def _add(self, tensor: torch.Tensor, name: str) -> Placement:
         # Roles name a tensor across iterations (Flow's predictions); the handle's id keeps two
@@ -123,13 +125,23 @@ class ManagedModule:
         )
 
     def complete(self) -> bool:
-        """Whether every parameter of the module is managed (or was refused already): what
-        ``watch.audit()`` asks at each optimizer step, to find changes no hook saw."""
-        placement_of = self.manager.placement_of
-        refused = self._refused
-        return all(
-            id(p) in refused or placement_of(p) is not None for p in self.module.parameters()
-        )
+        """Whether the module's parameters are those seen when it was last managed or
+        refreshed: what ``watch.audit()`` asks at each optimizer step, to find changes no hook
+        saw (about 0.1 µs per parameter: the modules' parameter dicts against a snapshot)."""
+        for parameters, seen in self._seen:
+            if len(parameters) != len(seen):
+                return False
+            for name, param in seen:
+                if parameters.get(name) is not param:
+                    return False
+        return True
+
+    def snapshot(self) -> None:
+        """Remember every module's parameters as they are now (see ``complete``)."""
+        self._seen = [
+            (module._parameters, list(module._parameters.items()))
+            for module in self.module.modules()
+        ]
 
     def readopt(self, tensor: torch.Tensor, old: Placement, settle: bool) -> None:
         """``tensor``'s data was replaced (``.data = ...``, ``set_()``, ``module.half()``):
@@ -175,6 +187,7 @@ class ManagedModule:
             if grad is not None and placement is not None and unmanageable(grad, manager) is None:
                 manager.manage_tensor(grad, None, group=placement.uid)
         manager.settle(self._groups - before)
+        self.snapshot()
         return found
 
     @property
@@ -331,6 +344,7 @@ def manage(
         raise
     watch.install()  # the module stays managed when its tensors change (watch.py)
     watch.track(handle)
+    handle.snapshot()
     return handle
 
 
