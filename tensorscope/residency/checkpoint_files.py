@@ -5,7 +5,8 @@
 returns where each stored tensor's bytes lie, reading headers only: the ``safetensors`` package
 validates each file (a truncated or corrupt one is refused here, never later), and the data
 offsets come from the header itself (the documented format: an 8-byte little-endian length, a
-JSON header, the data).
+JSON header, the data). The fingerprints of the integrity check are read when a tensor is
+placed (``CheckpointFile.remember``).
 
 # NOTE [a checkpoint file as the disk tier]
 # A stored tensor whose dtype is the parameter's needs no copy: its storage is the mapping of
