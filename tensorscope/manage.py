@@ -15,7 +15,6 @@ import os
 import warnings
 import weakref
 from types import TracebackType
-from typing import Any
 
 import torch
 from torch import nn
@@ -43,14 +42,19 @@ class ManagedModule:
     _ids = itertools.count(1)
 
     def __init__(self, module: nn.Module, manager: ResidencyManager) -> None:
-        self.module = module
+        # NOTE [the handle does not keep the module alive]
+        # watch.py keeps every handle (its OWNERS map: a weak key per submodule, the handle as
+        # value) so that a handle the user dropped (``ts.manage(model)`` without keeping the
+        # result) still watches its module. The handle holds the module weakly: dropping the
+        # model frees it, its handle and (by the sweep) its placements, as before.
+        self._module = weakref.ref(module)
         self.manager = manager
         self._id = next(self._ids)
         self._count = 0
         self._groups: set[int] = set()
         self._removed = False
         self._refused: set[int] = set()  # ids of tensors named in a warning already
-        self._seen: list[tuple[dict[str, Any], list[tuple[str, Any]]]] = []  # see complete()
+        self._seen: list[tuple[weakref.ref[nn.Module], list[tuple[str, int]]]] = []
 
     def _add(self, tensor: torch.Tensor, name: str) -> Placement:
         # Roles name a tensor across iterations (Flow's predictions); the handle's id keeps two
@@ -128,19 +132,25 @@ class ManagedModule:
         """Whether the module's parameters are those seen when it was last managed or
         refreshed: what ``watch.audit()`` asks at each optimizer step, to find changes no hook
         saw (about 0.1 µs per parameter: the modules' parameter dicts against a snapshot)."""
-        for parameters, seen in self._seen:
+        for ref, seen in self._seen:
+            module = ref()
+            if module is None:
+                continue
+            parameters = module._parameters
             if len(parameters) != len(seen):
                 return False
-            for name, param in seen:
-                if parameters.get(name) is not param:
+            for name, ident in seen:
+                if id(parameters.get(name)) != ident:
                     return False
         return True
 
     def snapshot(self) -> None:
-        """Remember every module's parameters as they are now (see ``complete``)."""
+        """Remember every module's parameters as they are now (see ``complete``): weakly, by
+        identity, so that the snapshot keeps neither the modules nor their parameters alive."""
+        root = self._module()
         self._seen = [
-            (module._parameters, list(module._parameters.items()))
-            for module in self.module.modules()
+            (weakref.ref(module), [(name, id(p)) for name, p in module._parameters.items()])
+            for module in (root.modules() if root is not None else ())
         ]
 
     def readopt(self, tensor: torch.Tensor, old: Placement, settle: bool) -> None:
@@ -168,7 +178,7 @@ class ManagedModule:
             ['bias']
             >>> handle.remove()
         """
-        if self._removed:
+        if self._removed or self._module() is None:
             return []
         manager = self.manager
         manager.storages_disposed([])  # what the changes left behind frees room first
@@ -189,6 +199,21 @@ class ManagedModule:
         manager.settle(self._groups - before)
         self.snapshot()
         return found
+
+    @property
+    def module(self) -> nn.Module:
+        """The managed module.
+
+        Raises:
+            ResidencyError: the module was freed (the handle does not keep it alive).
+        """
+        module = self._module()
+        if module is None:
+            raise ResidencyError(
+                "tensorscope.residency: the module of this ts.manage() handle was freed; "
+                "keep a reference to the model as long as you use its handle."
+            )
+        return module
 
     @property
     def removed(self) -> bool:
@@ -218,7 +243,9 @@ class ManagedModule:
 
     def __repr__(self) -> str:
         state = "removed" if self._removed else f"{self._count} tensors"
-        return f"<ManagedModule {type(self.module).__name__}: {state}>"
+        module = self._module()
+        name = type(module).__name__ if module is not None else "(freed)"
+        return f"<ManagedModule {name}: {state}>"
 
 
 def _check_module(module: object, manager: object) -> tuple[nn.Module, ResidencyManager]:

@@ -60,7 +60,9 @@ class Handle(Protocol):
     """What this module asks of a ``ts.manage()`` handle (``ManagedModule``)."""
 
     manager: ResidencyManager
-    module: nn.Module
+
+    @property
+    def module(self) -> nn.Module: ...
 
     @property
     def removed(self) -> bool: ...

@@ -246,3 +246,20 @@ def test_parameters_buffers_and_modules_assigned_after_manage_are_managed() -> N
         model.extra.weight = nn.Parameter(torch.empty(4, 4, device="meta"))
     handle.remove()
     assert all(type(p) is nn.Parameter for p in model.parameters())
+
+
+def test_a_dropped_handle_still_watches_and_nothing_keeps_the_model_alive() -> None:
+    import gc
+    import weakref
+
+    model = M.mlp(depth=2)
+    ts.residency.configure(device="cpu", policy="flow", budget=M.budget_for(M.mlp(depth=8)))
+    ts.manage(model)  # the handle is not kept
+    model.half()
+    assert_all_managed(model, None)
+    freed = weakref.ref(model)
+    del model
+    gc.collect()
+    assert freed() is None  # neither the handle nor the watch keeps the module alive
+    ts.residency.report()  # sweeps what nothing holds any more
+    assert ts.residency.managed_count() == 0
