@@ -50,7 +50,6 @@ def find_leaks(
     # anything else (a list made before the scope, an attribute, a closure cell, a global)
     # would keep the tensor alive beyond the step.
     new_locals = [v for v in frame.f_locals.values() if id(v) not in locals_at_entry]
-    local_ids = {id(v) for v in new_locals}
     ignored = {id(frame), id(frame.f_locals), id(new_locals)}
     inside = _held_by_locals(new_locals, ignored)
     records = []
@@ -63,7 +62,6 @@ def find_leaks(
             for holder in gc.get_referrers(tensor)
             if not isinstance(holder, FrameType)
             and id(holder) not in ignored
-            and id(holder) not in local_ids
             and id(holder) not in inside
         ]
         if holders:
@@ -81,9 +79,10 @@ def find_leaks(
 
 
 def _held_by_locals(new_locals: list[object], ignored: set[int]) -> set[int]:
-    """Ids of the containers and objects reachable from the scope's new locals that nothing
-    else references (an object also referenced from outside, say a dict appended to a list
-    made before the scope, is not the scope's: what it holds leaks through it)."""
+    """Ids of the scope's new locals, and of the containers and objects reachable from them,
+    that nothing else references, directly or through a referrer of their own (a dict
+    appended to a list made before the scope is not the scope's: what it holds leaks
+    through it)."""
     reachable: dict[int, object] = {}
     for value in new_locals:
         for item in objects_in(value):
@@ -92,15 +91,23 @@ def _held_by_locals(new_locals: list[object], ignored: set[int]) -> set[int]:
                 attributes = getattr(item, "__dict__", None)
                 if isinstance(attributes, dict):  # an object's attributes hold its tensors
                     reachable[id(attributes)] = attributes
-    # what may refer to them: each other, the frame, and this function's own bookkeeping
-    known = {id(v) for v in new_locals} | set(reachable) | ignored
-    known |= {id(reachable), id(new_locals)}
-    inside: set[int] = set()
+    ignored = ignored | {id(reachable), id(new_locals)}  # this function's own bookkeeping
+    referrers: dict[int, set[int]] = {}
     for key in list(reachable):  # (not .items(): its iterator keeps the last pair alive)
-        referrers = gc.get_referrers(reachable[key])
-        if all(isinstance(r, FrameType) or id(r) in known for r in referrers):
-            inside.add(key)
-        del referrers
+        found = gc.get_referrers(reachable[key])
+        referrers[key] = {
+            id(r) for r in found if not isinstance(r, FrameType) and id(r) not in ignored
+        }
+        del found
+    referrers.pop(id(referrers), None)
+    inside = set(reachable)
+    changed = True
+    while changed:  # drop what something outside holds, until nothing changes
+        changed = False
+        for key in list(inside):
+            if not referrers[key] <= inside | {id(referrers)}:
+                inside.discard(key)
+                changed = True
     return inside
 
 
