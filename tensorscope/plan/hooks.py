@@ -29,7 +29,7 @@ from torch.optim.optimizer import (
 )
 
 from tensorscope._torch import graph_task_id
-from tensorscope.plan.mode import OPEN
+from tensorscope.plan.mode import OPEN, skip_in_dynamo
 from tensorscope.plan.recorder import Recorder, Watch
 
 __all__ = ["install", "tensors_in", "uninstall"]
@@ -37,6 +37,7 @@ __all__ = ["install", "tensors_in", "uninstall"]
 _handles: list[Any] = []
 _users: list[int] = []  # one entry per open recording
 _Tensor = torch.Tensor
+_compiling = torch.compiler.is_compiling
 
 
 def install() -> None:
@@ -102,9 +103,21 @@ def _name_tree(rec: Recorder, root: torch.nn.Module) -> None:
     rec.roots = [r for r in rec.roots if r not in ids]
     rec.roots.append(key)
     for name, module in tree.items():
+        name = _without_compile_wrapper(name)
         path = f"{prefix}.{name}" if prefix and name else prefix or name
         if contained or id(module) not in names:
             names[id(module)] = path
+
+
+def _without_compile_wrapper(name: str) -> str:
+    """``torch.compile(module)`` wraps it as ``_orig_mod``: paths are the model's own.
+
+    Example:
+        >>> _without_compile_wrapper("_orig_mod.transformer.h.0._orig_mod.attn")
+        'transformer.h.0.attn'
+    """
+    parts = [part for part in name.split(".") if part != "_orig_mod"]
+    return ".".join(parts)
 
 
 def _path(rec: Recorder, module: torch.nn.Module) -> str:
@@ -121,6 +134,8 @@ def _path(rec: Recorder, module: torch.nn.Module) -> str:
 
 
 def _before_forward(module: torch.nn.Module, args: Any) -> None:
+    if _compiling():  # inside a compiled graph: it counts as its outputs
+        return
     rec = OPEN.get(threading.get_ident())
     if rec is None:
         return
@@ -137,6 +152,8 @@ def _before_forward(module: torch.nn.Module, args: Any) -> None:
 
 
 def _after_forward(module: torch.nn.Module, args: Any, output: Any) -> None:
+    if _compiling():  # inside a compiled graph: it counts as its outputs
+        return
     rec = OPEN.get(threading.get_ident())
     if rec is None:
         return
@@ -177,3 +194,6 @@ def _at_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
             for value in values.values():
                 if isinstance(value, _Tensor):
                     rec.mark(value, "optimizer_state", w, w.name if w is not None else "")
+
+
+skip_in_dynamo(_before_forward, _after_forward, _at_step, _note_parameter, _path, _name_tree)

@@ -34,21 +34,31 @@ from tensorscope._sites import Site, capture_site
 from tensorscope._torch import ACCUMULATE_GRAD, current_autograd_node, graph_task_id, plain_alias
 from tensorscope.plan.recorder import BACKWARD, FORWARD, OPTIMIZER, Recorder, Watch
 
-__all__ = ["METADATA_KEY", "OPEN", "PlanMode", "observe_compiled", "pack", "unpack"]
+__all__ = [
+    "METADATA_KEY",
+    "OPEN",
+    "PlanMode",
+    "observe_compiled",
+    "pack",
+    "skip_in_dynamo",
+    "unpack",
+]
 
 #: The key of a forward op's index in an autograd node's ``metadata``.
 METADATA_KEY = "tensorscope.plan.forward_op"
 #: The recorder open on each thread (thread id -> recorder).
 OPEN: dict[int, Recorder] = {}
 
-_PLAIN, _MUTATING, _ENTER, _EXIT = 0, 1, 2, 3
-_INFO: dict[Any, tuple[str, int]] = {}
+_PLAIN, _MUTATING, _FRESH, _ENTER, _EXIT = 0, 1, 2, 3, 4
+_INFO: dict[int, tuple[str, int]] = {}
+_KEEP: list[Any] = []
 _Tensor = torch.Tensor
 _Parameter = torch.nn.Parameter
 _clock = time.perf_counter
 _is_grad_enabled = torch.is_grad_enabled
 _GRADIENT = "gradient"
 _weak = weakref.ref
+_compiling = torch.compiler.is_compiling
 
 
 def _classify(func: Any) -> tuple[str, int]:
@@ -60,9 +70,12 @@ def _classify(func: Any) -> tuple[str, int]:
         kind = _EXIT
     elif any(r.alias_info is not None and r.alias_info.is_write for r in schema.returns):
         kind = _MUTATING
+    elif name == "aten::lift_fresh":  # torch.tensor(data): made unseen, handed in as its input
+        kind = _FRESH
     else:
         kind = _PLAIN
-    info = _INFO[func] = (name, kind)
+    info = _INFO[id(func)] = (name, kind)
+    _KEEP.append(func)  # its id stays its own
     return info
 
 
@@ -90,7 +103,7 @@ class PlanMode(TorchDispatchMode):  # type: ignore[no-untyped-call]
         args: tuple[Any, ...] = (),
         kwargs: dict[str, Any] | None = None,
     ) -> Any:
-        info = _INFO.get(func)
+        info = _INFO.get(id(func))  # OpOverload.__hash__ is Python code: ids are free
         if info is None:
             info = _classify(func)
         name, kind = info
@@ -167,29 +180,36 @@ def _record_op(
     site: Site = capture_site(1, through_state_makers=True)  # type: ignore[assignment]
     stack = rec.stack
     rec.ops.append((name, start - rec.t0, site, stack[-1] if stack else -1, phase, forward_op))
-    watch = rec.watch
-    reads_gradient = False
+    inputs: list[torch.Tensor] = []
     for arg in args:
         if isinstance(arg, _Tensor):
-            w = watch(arg, -1, site)
-            if w is not None:
-                _use(w, index, backward)
-                reads_gradient = reads_gradient or w.role == _GRADIENT
+            inputs.append(arg)
         elif type(arg) is list or type(arg) is tuple:
-            for item in arg:
-                if isinstance(item, _Tensor):
-                    w = watch(item, -1, site)
-                    if w is not None:
-                        _use(w, index, backward)
-                        reads_gradient = reads_gradient or w.role == _GRADIENT
+            inputs.extend(item for item in arg if isinstance(item, _Tensor))
+    if kwargs:
+        inputs.extend(arg for arg in kwargs.values() if isinstance(arg, _Tensor))
+    live = rec.live
+    reads_gradient = False
+    first = index if kind == _FRESH else -1
+    for tensor in inputs:
+        try:
+            storage = tensor.untyped_storage()
+        except (RuntimeError, NotImplementedError):  # sparse and other storage-less layouts
+            continue
+        w = live.get(id(storage))
+        if w is None:
+            w = rec.first_sight(tensor, storage, first, site)
+        w.last_use = index
+        if backward:
+            if w.first_backward_use < 0:
+                w.first_backward_use = index
+            w.last_backward_use = index
+        else:
+            w.last_forward_use = index
+            if w.role == _GRADIENT:
+                reads_gradient = True
     if reads_gradient and phase == FORWARD:
         rec.gradient_readers.append(name)
-    if kwargs:
-        for arg in kwargs.values():
-            if isinstance(arg, _Tensor):
-                w = watch(arg, -1, site)
-                if w is not None:
-                    _use(w, index, backward)
     if kind == _MUTATING or out is None:
         return
     outs = out if type(out) is tuple or type(out) is list else (out,)
@@ -198,9 +218,13 @@ def _record_op(
     for item in outs:
         if not isinstance(item, _Tensor):
             continue
-        w = watch(item, index, site)
-        if w is None:
+        try:
+            storage = item.untyped_storage()
+        except (RuntimeError, NotImplementedError):
             continue
+        w = live.get(id(storage))
+        if w is None:
+            w = rec.first_sight(item, storage, index, site)
         _use(w, index, backward)
         if w.created == index:
             made.append(w)
@@ -208,7 +232,7 @@ def _record_op(
             # autograd sets the result's grad_fn after this mode returns: named at the next op
             rec.pending_nodes.append((_weak(item), index))
     if leaf is not None and made and isinstance(leaf, _Parameter):
-        owner = watch(leaf, -1)
+        owner = rec.watch(leaf, -1)
         for w in made:
             w.role = _GRADIENT
             if owner is not None:
@@ -271,7 +295,7 @@ def pack(tensor: torch.Tensor) -> Any:
     cycle through its own ``grad_fn`` for a saved output (freed by the cycle collector only).
     """
     rec = OPEN.get(threading.get_ident())
-    if rec is not None:
+    if rec is not None and not _compiling():
         w = rec.watch(tensor, -1)
         if w is not None:
             w.saved = True
@@ -284,6 +308,18 @@ def pack(tensor: torch.Tensor) -> Any:
 
 def unpack(saved: Any) -> Any:
     return saved
+
+
+def skip_in_dynamo(*functions: Any) -> None:
+    """Tell torch.compile never to compile these frames (the recorder's per-op and hook code is
+    not the user's): dynamo's frame callback then runs them as they are, at no cost."""
+    try:
+        frames: Any = torch._C._dynamo.eval_frame
+        skip = frames._FrameExecStrategy(frames._FrameAction.SKIP, frames._FrameAction.DEFAULT)
+    except AttributeError:  # pragma: no cover - an older or newer torch
+        return
+    for function in functions:
+        frames.set_code_exec_strategy(function.__code__, skip)
 
 
 # ----------------------------------------------------------------------- compiled graphs
@@ -306,3 +342,22 @@ class observe_compiled:
         index = rec.n_ops
         rec.n_ops = index + 1
         _record_op(rec, index, "compiled graph", _PLAIN, _clock(), tuple(args), None, out)
+
+
+skip_in_dynamo(
+    PlanMode.__torch_dispatch__,
+    _region,
+    _use,
+    _record_op,
+    name_nodes,
+    _owner_index,
+    _tag_update,
+    pack,
+    unpack,
+    observe_compiled.enter,
+    observe_compiled.exit,
+    Recorder.watch,
+    Recorder.first_sight,
+    Recorder.mark,
+    Recorder.new_high,
+)

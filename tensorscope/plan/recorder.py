@@ -36,6 +36,8 @@ __all__ = ["FORWARD", "Recorder", "Watch"]
 FORWARD, BACKWARD, OPTIMIZER = "forward", "backward", "optimizer"
 _ROLE_RANK = {"": 0, "buffer": 1, "optimizer_state": 2, "gradient": 3, "parameter": 4}
 _strided = torch.strided
+_Tensor = torch.Tensor
+_Parameter = torch.nn.Parameter
 
 
 class Watch(weakref.ref):  # type: ignore[type-arg]
@@ -136,21 +138,21 @@ class Recorder:
         """The record of ``tensor``'s storage, made now if first seen (see the NOTE)."""
         if tensor.layout is not _strided:
             return None
-        storage = tensor.untyped_storage()
-        key = id(storage)
-        found = self.live.get(key)
+        try:
+            storage = tensor.untyped_storage()
+        except (RuntimeError, NotImplementedError):  # torch.func's wrappers, fake tensors
+            return None
+        found = self.live.get(id(storage))
         if found is not None:
             return found
-        return self._first_sight(tensor, storage, key, created, site)
+        return self.first_sight(tensor, storage, created, site)
 
-    def _first_sight(
-        self,
-        tensor: torch.Tensor,
-        storage: torch.UntypedStorage,
-        key: int,
-        created: int,
-        site: Site,
+    def first_sight(
+        self, tensor: torch.Tensor, storage: torch.UntypedStorage, created: int, site: Site
     ) -> Watch:
+        """A record for a storage seen for the first time (``created``: -1 if it existed before
+        the step, unless it was seen where that cannot be: see the NOTE on first sight)."""
+        key = id(storage)
         if created < 0 and (self.compiled_depth or torch._C._current_graph_task_id() != -1):
             created = max(self.n_ops - 1, 0)  # made unseen just now (see the NOTE)
         w = Watch(storage, _released)
@@ -165,7 +167,9 @@ class Recorder:
         w.shape = tuple(tensor.shape)
         w.dtype = str(tensor.dtype).removeprefix("torch.")
         w.device = str(device)
-        w.role = "parameter" if isinstance(tensor, torch.nn.Parameter) else ""
+        kind = type(tensor)
+        parameter = kind is _Parameter or (kind is not _Tensor and isinstance(tensor, _Parameter))
+        w.role = "parameter" if parameter else ""
         w.name = ""
         w.owner = -1
         w.saved = False

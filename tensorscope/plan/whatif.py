@@ -5,9 +5,12 @@ Pure Python, no torch.
 # NOTE [moving intervals]
 # Every storage is an interval of op positions on the plan's device. A change moves intervals
 # and adds new ones, and the prediction is the highest sum over the result. A position is a
-# tuple ``(op, slot, k)``: ``(i, 0, 0)`` is op ``i`` as recorded; ``(i, -1, k)`` is the
-# ``k``-th op of a recomputation inserted just before op ``i``; ``(i, 1, k)`` the ``k``-th op
-# of a parameter's update moved right after op ``i``; ``(i, 2, 0)`` just after that update.
+# tuple ``(op, slot, k)``, in this order around op ``i``: ``(i, -2, 0)`` the moment before op
+# ``i`` when what was freed since op ``i - 1`` is gone (a recorded storage freed before op
+# ``i`` ends there); ``(i, -1, k)`` the ``k``-th op of a recomputation, or a reload, inserted
+# just before op ``i``; ``(i, 0, 0)`` op ``i`` as recorded (a storage it made starts there);
+# ``(i, 1, k)`` the ``k``-th op of a parameter's update moved right after op ``i``; ``(i, 2, 0)``
+# just after that update.
 #
 # - Freeing gradients at their update (optimizer-in-backward): a gradient ends right after
 #   its parameter's update, which moves to the op where autograd last wrote the gradient; the
@@ -75,7 +78,7 @@ def peak_of(intervals: Iterable[Interval], n_categories: int) -> tuple[int, list
     """The highest total of the intervals alive at once, and its split by category.
 
     Example:
-        >>> peak_of([((0, 0, 0), (2, 0, 0), 10, 0), ((1, -1, 0), (1, 0, 0), 5, 1)], 2)
+        >>> peak_of([((0, 0, 0), (2, -2, 0), 10, 0), ((1, -1, 0), (1, 0, 0), 5, 1)], 2)
         (15, [10, 5])
     """
     events: list[tuple[Position, int, int, int]] = []
@@ -151,6 +154,11 @@ def _path_of(plan: MemoryPlan, block: Any, what: str) -> str:
     )
 
 
+def _freed(op: int) -> Position:
+    """Where a storage freed before op ``op`` began ends (see the NOTE)."""
+    return (op, -2, 0)
+
+
 class _Intervals:
     """The plan's storages as movable intervals (see the NOTE)."""
 
@@ -165,7 +173,7 @@ class _Intervals:
             end = self.n if life.freed is None else life.freed
             start = max(life.created, 0)
             self.parts[life.index] = [
-                ((start, 0, 0), (end, 0, 0), life.nbytes, rank[life.category])
+                ((start, 0, 0), _freed(end), life.nbytes, rank[life.category])
             ]
         self.extra: list[Interval] = []
 
@@ -242,16 +250,16 @@ def _recompute(state: _Intervals, calls: list[int], changes: list[str]) -> None:
             replay = (b0, -1, life.created - f0)
             if _kept(plan, call, index):
                 last = max(life.last_forward_use, life.created)
-                state.parts[index] = [(start, (last + 1, 0, 0), nbytes, category)]
+                state.parts[index] = [(start, _freed(last + 1), nbytes, category)]
                 state.extra.append((replay, end, nbytes, category))
             else:
                 stop = min(end[0], f1) - f0
                 state.extra.append((replay, (b0, -1, stop), nbytes, category))
         for index in call.inputs:
             kept = state.parts.get(index)
-            if kept and kept[-1][1] < (b1, 0, 0):
+            if kept and kept[-1][1] < _freed(b1):
                 start, _, nbytes, category = kept[-1]
-                kept[-1] = (start, (b1, 0, 0), nbytes, category)
+                kept[-1] = (start, _freed(b1), nbytes, category)
         changes.append(f"{call.path or '(the model)'} recomputed in backward")
 
 
@@ -268,7 +276,7 @@ def _offload(state: _Intervals, calls: list[int], changes: list[str]) -> int:
             if not (set(life.saved_by) & below or _kept(plan, call, index)):
                 continue
             start, end, nbytes, category = parts[0]
-            away = (max(life.last_forward_use, life.created, 0) + 1, 0, 0)
+            away = _freed(max(life.last_forward_use, life.created, 0) + 1)
             back = (life.first_backward_use, -1, 0) if life.first_backward_use >= 0 else end
             if back <= away:
                 continue
