@@ -190,6 +190,17 @@ def _block_calls(
     return out
 
 
+def _site_of(record: StepRecord, storage: StorageRecord) -> str:
+    """Where a storage was made; made by a backward op: the forward line whose backward it is."""
+    ops = record.ops
+    created = storage.created
+    if 0 <= created < len(ops) and ops[created].phase == "backward":
+        forward = ops[created].forward_op
+        if forward >= 0 and record.sites[ops[forward].site]:
+            return f"{record.sites[ops[forward].site]} (backward)"
+    return record.sites[storage.site]
+
+
 def build_plan(record: StepRecord) -> MemoryPlan:
     """The :class:`MemoryPlan` of a recorded step."""
     ops = record.ops
@@ -211,7 +222,7 @@ def build_plan(record: StepRecord) -> MemoryPlan:
             created=s.created,
             last_use=s.last_use,
             freed=s.freed,
-            site=sites[s.site],
+            site=_site_of(record, s),
             shape=s.shape,
             dtype=s.dtype,
             device=s.device,

@@ -6,6 +6,9 @@ They change nothing (each returns ``None``) and act only on a thread with an ope
   hook (``always_call``: also when the forward raised) closes it with the storages it returned;
 - an optimizer step's pre- and post-hooks note each parameter's gradient and optimizer state.
 
+Every parameter and buffer of a model is noted when the model is first called, so they count
+from op 0 even where no call reveals them (inside a compiled graph).
+
 # NOTE [module paths]
 # A call's path is its module's name in the model, as ``named_modules()`` gives it
 # (``"transformer.h.3"``). The model is the first module called with no call open (a root: its
@@ -107,6 +110,20 @@ def _name_tree(rec: Recorder, root: torch.nn.Module) -> None:
         path = f"{prefix}.{name}" if prefix and name else prefix or name
         if contained or id(module) not in names:
             names[id(module)] = path
+    # Every parameter and buffer of the model, also those its calls do not reveal (a compiled
+    # graph runs its modules unseen).
+    for module in tree.values():
+        path = names.get(id(module), "")
+        _note_state(rec, module, f"{path}." if path else "")
+
+
+def _note_state(rec: Recorder, module: torch.nn.Module, prefix: str) -> None:
+    for name, param in module._parameters.items():
+        if param is not None:
+            _note_parameter(rec, param, prefix + name)
+    for name, buffer in module._buffers.items():
+        if buffer is not None:
+            rec.mark(buffer, "buffer", None, prefix + name)
 
 
 def _without_compile_wrapper(name: str) -> str:
@@ -142,13 +159,7 @@ def _before_forward(module: torch.nn.Module, args: Any) -> None:
     path = _path(rec, module)
     rec.enter_call(path, _watched(rec, args), graph_task_id() != -1)
     rec.module_calls.setdefault(id(module), []).append(rec.stack[-1])
-    prefix = f"{path}." if path else ""
-    for name, param in module._parameters.items():
-        if param is not None:
-            _note_parameter(rec, param, prefix + name)
-    for name, buffer in module._buffers.items():
-        if buffer is not None:
-            rec.mark(buffer, "buffer", None, prefix + name)
+    _note_state(rec, module, f"{path}." if path else "")
 
 
 def _after_forward(module: torch.nn.Module, args: Any, output: Any) -> None:
@@ -196,4 +207,6 @@ def _at_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
                     rec.mark(value, "optimizer_state", w, w.name if w is not None else "")
 
 
-skip_in_dynamo(_before_forward, _after_forward, _at_step, _note_parameter, _path, _name_tree)
+skip_in_dynamo(
+    _before_forward, _after_forward, _at_step, _note_parameter, _note_state, _path, _name_tree
+)

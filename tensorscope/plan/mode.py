@@ -190,8 +190,11 @@ def _record_op(
         inputs.extend(arg for arg in kwargs.values() if isinstance(arg, _Tensor))
     live = rec.live
     reads_gradient = False
+    needs_grad = False
     first = index if kind == _FRESH else -1
     for tensor in inputs:
+        if tensor.requires_grad:
+            needs_grad = True
         try:
             storage = tensor.untyped_storage()
         except (RuntimeError, NotImplementedError):  # sparse and other storage-less layouts
@@ -213,7 +216,8 @@ def _record_op(
     if kind == _MUTATING or out is None:
         return
     outs = out if type(out) is tuple or type(out) is list else (out,)
-    mark_nodes = not backward and _is_grad_enabled()
+    # only results of an op with an input that requires grad get a grad_fn
+    mark_nodes = needs_grad and not backward and _is_grad_enabled()
     made: list[Watch] = []
     for item in outs:
         if not isinstance(item, _Tensor):

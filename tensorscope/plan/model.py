@@ -28,7 +28,9 @@ class Lifetime:
         created: the op that made it; -1 when it existed before the step.
         last_use: the last op that read or wrote it (-1: none did).
         freed: the op before which it was freed; None when it outlived the step.
-        site: ``"file.py:12 in forward"`` where it was made (first used, if it existed before).
+        site: ``"file.py:12 in forward"`` where it was made (first used, if it existed before);
+            made by autograd's backward: the forward line whose backward made it, followed by
+            ``" (backward)"``.
         shape, dtype, device: of the first tensor seen on it.
         name: the parameter's or buffer's name; for a gradient or optimizer state, the name of
             its parameter ("" when unknown).

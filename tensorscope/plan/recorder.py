@@ -14,8 +14,8 @@
 # optimizer state, last step's gradients) and is alive from op 0, with one exception: what
 # torch.compile'd code allocates without the dispatcher (its outputs, its saved tensors, the
 # buffers its external kernels write into) is first seen after the graph made it, so inside a
-# compiled call, in a backward, or in a saved-tensor hook a storage first seen counts as made
-# by the latest op.
+# compiled call, in a backward (outside an optimizer step: optimizer-in-backward meets its state
+# there), or in a saved-tensor hook a storage first seen counts as made by the latest op.
 """
 
 from __future__ import annotations
@@ -78,9 +78,9 @@ class Watch(weakref.ref):  # type: ignore[type-arg]
     first_backward_use: int
     last_backward_use: int
     site: Site
-    shape: tuple[int, ...]
-    dtype: str
-    device: str
+    shape: torch.Size
+    dtype: torch.dtype
+    device: torch.device
     role: str
     name: str
     owner: int
@@ -153,20 +153,22 @@ class Recorder:
         """A record for a storage seen for the first time (``created``: -1 if it existed before
         the step, unless it was seen where that cannot be: see the NOTE on first sight)."""
         key = id(storage)
-        if created < 0 and (self.compiled_depth or torch._C._current_graph_task_id() != -1):
+        if created < 0 and (
+            self.compiled_depth
+            or (not self.optimizer_depth and torch._C._current_graph_task_id() != -1)
+        ):
             created = max(self.n_ops - 1, 0)  # made unseen just now (see the NOTE)
         w = Watch(storage, _released)
         w.rec = self
         w.key = key
-        device = storage.device
-        w.nbytes = 0 if device.type == "meta" else storage.nbytes()
+        w.nbytes = 0 if tensor.is_meta else storage.nbytes()
         w.created = created
         w.freed = None
         w.last_use = w.last_forward_use = w.first_backward_use = w.last_backward_use = -1
         w.site = site
-        w.shape = tuple(tensor.shape)
-        w.dtype = str(tensor.dtype).removeprefix("torch.")
-        w.device = str(device)
+        w.shape = tensor.shape  # made text at close: the hot path keeps torch's own objects
+        w.dtype = tensor.dtype
+        w.device = tensor.device
         kind = type(tensor)
         parameter = kind is _Parameter or (kind is not _Tensor and isinstance(tensor, _Parameter))
         w.role = "parameter" if parameter else ""
@@ -271,9 +273,9 @@ class Recorder:
                 first_backward_use=w.first_backward_use,
                 last_backward_use=w.last_backward_use,
                 site=site_index(w.site),
-                shape=w.shape,
-                dtype=w.dtype,
-                device=w.device,
+                shape=tuple(w.shape),
+                dtype=str(w.dtype).removeprefix("torch."),
+                device=str(w.device),
                 role=w.role,
                 name=w.name,
                 owner=w.owner,

@@ -70,10 +70,10 @@ def build(name: str, *, seed: int = 0, layers: int = 2, hidden: int = 64) -> nn.
 BLOCKS = {"gpt2": "transformer.h", "llama": "model.layers", "bert": "bert.encoder.layer"}
 
 
-def batch(*, rows: int = 2, seq: int = 8, seed: int = 1) -> dict[str, torch.Tensor]:
+def batch(*, rows: int = 2, seq: int = 8, seed: int = 1) -> dict[str, Any]:
     generator = torch.Generator().manual_seed(seed)
     ids = torch.randint(3, VOCAB, (rows, seq), generator=generator)
-    return {"input_ids": ids, "labels": ids.clone()}
+    return {"input_ids": ids, "labels": ids.clone(), "use_cache": False}
 
 
 def mlp(seed: int = 0, width: int = 256) -> nn.Sequential:
@@ -99,6 +99,8 @@ def mlp_step(model: nn.Module, opt: torch.optim.Optimizer, seed: int = 1) -> Cal
 
 def hf_step(model: nn.Module, opt: torch.optim.Optimizer, **shape: int) -> Callable[[], None]:
     inputs = batch(**shape)
+    if getattr(model.config, "model_type", "") == "bert":
+        del inputs["use_cache"]  # an encoder: no cache to turn off
 
     def step() -> None:
         loss = model(**inputs).loss
