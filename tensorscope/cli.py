@@ -32,8 +32,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="which part to run (default: both)",
     )
     _add_plan(commands)
-    args = parser.parse_args(argv)
+    words = list(sys.argv[1:] if argv is None else argv)
+    script_args: list[str] = []
+    if words[:1] == ["plan"] and "--" in words:  # what follows -- is the script's own
+        cut = words.index("--")
+        words, script_args = words[:cut], words[cut + 1 :]
+    args = parser.parse_args(words)
     if args.command == "plan":
+        args.script_args = script_args
         return _plan(parser, args)
     if args.command == "demo":
         if args.batches < 1 or args.forwards < 1:
@@ -56,9 +62,11 @@ def _add_plan(commands: Any) -> None:
             "the step ends at optimizer.step(); or name a function that runs one step."
         ),
     )
-    plan.add_argument("script", nargs="?", help="the training script (python file)")
     plan.add_argument(
-        "script_args", nargs="*", help="arguments for the script (after --: -- --epochs 1)"
+        "script",
+        nargs="?",
+        help="the training script (python file); its own arguments go after --: "
+        "tensorscope plan train.py -- --epochs 1",
     )
     plan.add_argument(
         "--step",
