@@ -5,14 +5,18 @@ Workload: a GPT-2-small-shaped transformers model (12 layers, hidden 768, 12 hea
 batch of ``--rows`` x ``--seq`` tokens; ``--quick``: 4 layers, hidden 256, vocab 8192.
 
 What it prints (a markdown table per part; the date and command first):
-1. Overhead: the step's time while recorded and after recordings, over the plain step's
-   (steps before any recording). Rounds alternate recorded and plain steps; medians.
+1. Overhead: the step's time while recorded over the plain step's (rounds of plain, recorded,
+   plain: each recorded step against the mean of its neighbours; the median round), and the
+   cost of a small op before any recording and after them all (nothing stays installed).
 2. Accuracy: ``plan.peak_bytes`` against the allocator's peak. The reference is independent of
    the plan: the storages that exist before the step (parameters, optimizer state, the batch,
    summed here from the model and the optimizer) plus the highest ``total_allocated`` that
    ``torch.profiler`` (``profile_memory=True``) reports for the same step. Parameters and
    optimizer state at the peak against their storages' bytes.
-3. ``what_if`` against the change actually made, measured the same way: recomputing blocks
+3. ``what_if`` against the change actually made, measured the same way, on two steps: one
+   whose activations dominate (``--big-rows`` x ``--seq``) for recomputing and offloading, one
+   whose parameters, gradients and optimizer state dominate (1 x 64) for freeing gradients.
+   The changes: recomputing blocks
    (``torch.utils.checkpoint``, non-reentrant, on HF's ``GradientCheckpointingLayer``s),
    freeing gradients at their update (one optimizer per parameter stepped in
    ``register_post_accumulate_grad_hook``), offloading blocks' saved activations (saved-tensor
@@ -131,34 +135,62 @@ def mib(nbytes: float) -> str:
 
 
 # ------------------------------------------------------------------------------- part 1
-def overhead(step: Step, rounds: int) -> dict[str, float]:
-    def timed(record: bool) -> tuple[float, float]:
-        gc.collect()
-        wall, cpu = time.perf_counter(), time.process_time()
-        if record:
-            with ts.record():
-                step()
-        else:
+def timed(step: Step, record: bool = False) -> tuple[float, float]:
+    """Wall and process CPU seconds of one step."""
+    gc.collect()
+    wall, cpu = time.perf_counter(), time.process_time()
+    if record:
+        with ts.record():
             step()
-        return time.perf_counter() - wall, time.process_time() - cpu
+    else:
+        step()
+    return time.perf_counter() - wall, time.process_time() - cpu
 
-    before = [timed(False) for _ in range(rounds)]
-    during, after = [], []
+
+def overhead(step: Step, rounds: int) -> dict[str, float]:
+    """Rounds of plain, recorded, plain: each round's ratio is the recorded step over the mean
+    of the two plain steps around it (drift of this shared machine hits both sides)."""
+    wall, cpu, plain, during = [], [], [], []
     for _ in range(rounds):
-        during.append(timed(True))
-        after.append(timed(False))
+        before, recorded_s, after = timed(step), timed(step, True), timed(step)
+        wall.append(recorded_s[0] / ((before[0] + after[0]) / 2))
+        cpu.append(recorded_s[1] / ((before[1] + after[1]) / 2))
+        plain += [before[0], after[0]]
+        during.append(recorded_s[0])
     med = statistics.median
-    plain_wall = med(t[0] for t in before)
-    plain_cpu = med(t[1] for t in before)
     return {
-        "plain_s": plain_wall,
-        "recorded_s": med(t[0] for t in during),
-        "after_s": med(t[0] for t in after),
-        "recorded": med(t[0] for t in during) / plain_wall,
-        "after": med(t[0] for t in after) / plain_wall,
-        "recorded_cpu": med(t[1] for t in during) / plain_cpu,
-        "after_cpu": med(t[1] for t in after) / plain_cpu,
+        "plain_s": med(plain),
+        "recorded_s": med(during),
+        "recorded": med(wall),
+        "recorded_cpu": med(cpu),
+        "rounds": rounds,
     }
+
+
+def per_op_us(reps: int = 15, n: int = 20_000) -> float:
+    """Thread CPU time of a 64-element add, µs (the best of ``reps`` loops of ``n``)."""
+    a, b = torch.randn(64), torch.randn(64)
+    best = float("inf")
+    for _ in range(reps):
+        start = time.thread_time()
+        for _ in range(n):
+            a + b
+        best = min(best, time.thread_time() - start)
+    return best / n * 1e6
+
+
+def global_state() -> tuple[int, ...]:
+    from torch.nn.modules import module as module_hooks
+    from torch.optim import optimizer as optimizer_hooks
+
+    return (
+        len(module_hooks._global_forward_pre_hooks),
+        len(module_hooks._global_forward_hooks),
+        len(optimizer_hooks._global_optimizer_pre_hooks),
+        len(optimizer_hooks._global_optimizer_post_hooks),
+        torch._C._len_torch_dispatch_stack(),
+        int(torch._C._autograd._top_saved_tensors_default_hooks(False) is not None),
+    )
 
 
 # ------------------------------------------------------------------------------- part 3
@@ -239,43 +271,46 @@ def offloaded(model: nn.Module, blocks: list[int]) -> Iterator[None]:
 
 
 def what_if_rows(
-    model: nn.Module, opt: torch.optim.Optimizer, step: Step, plan: ts.MemoryPlan
-) -> list[tuple[str, int, int]]:
+    model: nn.Module, opt: torch.optim.Optimizer, step: Step, plan: ts.MemoryPlan, what: str
+) -> list[tuple[str, int, int, int]]:
+    """(change, recorded, predicted, measured) for the changes named in ``what``."""
     layers = len(model.transformer.h)
     half = list(range(layers // 2))
     every = list(range(layers))
     rows = []
-    for label, chosen in (("recompute every block", every), ("recompute half", half)):
-        predicted = plan.what_if(recompute=[f"transformer.h.{i}" for i in chosen]).peak_bytes
-        with checkpointed(model, chosen):
-            step()
-            measured = reference_peak(model, [opt], step)
-        rows.append((f"{label} (`torch.utils.checkpoint`)", predicted, measured))
-    predicted = plan.what_if(offload=["transformer.h"]).peak_bytes
-    with offloaded(model, every):
-        step()
-        measured = reference_peak(model, [opt], step)
-    rows.append(("offload every block's saved activations", predicted, measured))
-    predicted = plan.what_if(free_gradients=True).peak_bytes
-    fused = optimizer_in_backward(model, opt, step)
-    try:
-        fused()
-        measured = reference_peak(model, [opt, *fused.optimizers], fused)  # type: ignore[attr-defined]
-    finally:
-        for handle in fused.handles:  # type: ignore[attr-defined]
-            handle.remove()
-    rows.append(
-        (
-            "free gradients at their update (`register_post_accumulate_grad_hook`)",
-            predicted,
-            measured,
+    if "recompute" in what:
+        for label, chosen in (("recompute every block", every), ("recompute half", half)):
+            predicted = plan.what_if(recompute=[model.transformer.h[i] for i in chosen])
+            with checkpointed(model, chosen):
+                step()
+                measured = reference_peak(model, [opt], step)
+            rows.append((label, plan.peak_bytes, predicted.peak_bytes, measured))
+    if "offload" in what:
+        for label, chosen in (("offload every block", every), ("offload half", half)):
+            predicted = plan.what_if(offload=[f"transformer.h.{i}" for i in chosen])
+            with offloaded(model, chosen):
+                step()
+                measured = reference_peak(model, [opt], step)
+            rows.append((label, plan.peak_bytes, predicted.peak_bytes, measured))
+    if "free" in what:
+        predicted = plan.what_if(free_gradients=True)
+        fused = optimizer_in_backward(model, opt, step)
+        try:
+            fused()
+            optimizers = [opt, *fused.optimizers]  # type: ignore[attr-defined]
+            measured = reference_peak(model, optimizers, fused)
+        finally:
+            for handle in fused.handles:  # type: ignore[attr-defined]
+                handle.remove()
+        rows.append(
+            ("free gradients at their update", plan.peak_bytes, predicted.peak_bytes, measured)
         )
-    )
     return rows
 
 
 # ------------------------------------------------------------------------------- part 4
 def mem_tracker(model: nn.Module, opt: torch.optim.Optimizer, step: Step) -> tuple[float, int]:
+    """One step under MemTracker: its seconds and the peak it reports."""
     from torch.distributed._tools.mem_tracker import MemTracker
 
     tracker = MemTracker()
@@ -291,6 +326,7 @@ def mem_tracker(model: nn.Module, opt: torch.optim.Optimizer, step: Step) -> tup
 
 
 def profiler_timeline(step: Step) -> tuple[float, float, int]:
+    """One profiled step: its seconds, the export's seconds and the timeline's peak."""
     from torch.profiler import ProfilerActivity, profile
     from torch.profiler._memory_profiler import MemoryProfileTimeline
 
@@ -314,9 +350,16 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="a small model (smoke run)")
     parser.add_argument("--rows", type=int, default=2)
-    parser.add_argument("--seq", type=int, default=256)
-    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--seq", type=int, default=128)
+    parser.add_argument(
+        "--threads", type=int, default=1, help="intra-op threads (1: CPU time is stable under load)"
+    )
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument(
+        "--big-rows", type=int, default=4, help="rows of the activation-heavy what_if step"
+    )
     args = parser.parse_args(argv)
+    torch.set_num_threads(args.threads)
     print(f"{datetime.date.today()}: python benchmarks/plan_accuracy.py {' '.join(sys.argv[1:])}")
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads\n")
     model = build(args.quick)
@@ -329,16 +372,20 @@ def main(argv: list[str] | None = None) -> None:
         f"({mib(params)}), batch {args.rows} x {args.seq}\n"
     )
 
+    idle_before = per_op_us()
+    state_before = global_state()
     cost = overhead(step, args.rounds)
-    print("| step | seconds (median) | vs plain (wall) | vs plain (CPU) |\n|---|---:|---:|---:|")
+    idle_after = per_op_us()
+    print("| step | seconds (median) | vs plain, wall | vs plain, CPU time |\n|---|---:|---:|---:|")
     print(f"| plain | {cost['plain_s']:.2f} | 1.00x | 1.00x |")
     print(
         f"| recorded (`ts.record()`) | {cost['recorded_s']:.2f} | {cost['recorded']:.2f}x | "
         f"{cost['recorded_cpu']:.2f}x |"
     )
     print(
-        f"| plain, after recordings | {cost['after_s']:.2f} | {cost['after']:.2f}x | "
-        f"{cost['after_cpu']:.2f}x |\n"
+        f"\n64-element add, thread CPU time: {idle_before:.2f} µs before any recording, "
+        f"{idle_after:.2f} µs after ({idle_after / idle_before:.2f}x); torch's global hooks, "
+        f"dispatch modes and saved-tensor hooks as before: {global_state() == state_before}\n"
     )
 
     plan = recorded(step)
@@ -364,17 +411,32 @@ def main(argv: list[str] | None = None) -> None:
         f"{plan.at_peak['optimizer_state'] / state:.4f} |\n"
     )
 
-    print("| change | predicted peak | measured peak | error |\n|---|---:|---:|---:|")
-    for label, predicted, measured in what_if_rows(model, opt, step, plan):
+    rows = []
+    for rows_, seq, what in ((args.big_rows, args.seq, "recompute offload"), (1, 64, "free")):
+        other = step if (rows_, seq) == (args.rows, args.seq) else make_step(model, opt, rows_, seq)
+        other()
+        base_plan = plan if other is step else recorded(other)
+        for row in what_if_rows(model, opt, other, base_plan, what):
+            rows.append((f"{row[0]} (batch {rows_} x {seq})", *row[1:]))
+    print("| change | recorded peak | predicted | measured | error |\n|---|---:|---:|---:|---:|")
+    for label, before, predicted, measured in rows:
         print(
-            f"| {label} | {mib(predicted)} | {mib(measured)} | "
+            f"| {label} | {mib(before)} | {mib(predicted)} | {mib(measured)} | "
             f"{100 * (predicted - measured) / measured:+.1f}% |"
         )
     print()
 
-    plain_s = cost["plain_s"]
-    tracker_s, tracker_peak = mem_tracker(model, opt, step)
-    profile_s, export_s, timeline_peak = profiler_timeline(step)
+    tracker, timeline, export = [], [], []
+    tracker_peak = timeline_peak = 0
+    for _ in range(max(1, args.rounds - 1)):
+        plain_s = timed(step)[0]
+        seconds, tracker_peak = mem_tracker(model, opt, step)
+        tracker.append(seconds / plain_s)
+        plain_s = timed(step)[0]
+        seconds, export_s, timeline_peak = profiler_timeline(step)
+        timeline.append(seconds / plain_s)
+        export.append(export_s)
+    med = statistics.median
     print(
         "| tool | categories | user line of the peak | per-op timeline | predicts a change | "
         "CPU | step time vs plain | peak vs allocator |\n|---|---|---|---|---|---|---:|---:|"
@@ -386,13 +448,13 @@ def main(argv: list[str] | None = None) -> None:
     )
     print(
         f"| `MemTracker` (torch.distributed._tools) | 7 per module, at module boundaries | no "
-        f"| no (module snapshots) | no | yes | {tracker_s / plain_s:.2f}x | "
+        f"| no (module snapshots) | no | yes | {med(tracker):.2f}x | "
         f"{tracker_peak / reference:.3f} |"
     )
     print(
         f"| profiler memory timeline (`export_memory_timeline`) | 8, inferred from the graph | "
-        f"no (stacks per op event) | yes (by time) | no | yes | {profile_s / plain_s:.2f}x "
-        f"(+ {export_s:.1f} s export) | {timeline_peak / reference:.3f} |"
+        f"no (stacks per op event) | yes (by time) | no | yes | {med(timeline):.2f}x "
+        f"(+ {med(export):.1f} s export) | {timeline_peak / reference:.3f} |"
     )
 
 

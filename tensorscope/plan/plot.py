@@ -67,6 +67,9 @@ def save_png(plan: MemoryPlan, path: Any, *, title: str | None = None) -> None:
         step="post",
         linewidth=0,
     )
+    totals = [sum(row[2].values()) / scale for row in plan.timeline]
+    # the outline keeps one-op spikes (a peak is often one) visible at any width
+    axes.step(ops, totals, where="post", color="black", linewidth=0.5)
     peak = plan.peak_bytes / scale
     axes.axvline(plan.peak_op, color="black", linewidth=0.8, linestyle="--")
     axes.plot([plan.peak_op], [peak], marker="v", color="black")
