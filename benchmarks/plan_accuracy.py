@@ -309,8 +309,9 @@ def what_if_rows(
 
 
 # ------------------------------------------------------------------------------- part 4
-def mem_tracker(model: nn.Module, opt: torch.optim.Optimizer, step: Step) -> tuple[float, int]:
-    """One step under MemTracker: its seconds and the peak it reports."""
+def mem_tracker(model: nn.Module, opt: torch.optim.Optimizer, step: Step) -> tuple[float, int, int]:
+    """One step under MemTracker: its seconds, the peak it reports, and the parameters plus
+    optimizer state in its peak snapshot."""
     from torch.distributed._tools.mem_tracker import MemTracker
 
     tracker = MemTracker()
@@ -321,14 +322,21 @@ def mem_tracker(model: nn.Module, opt: torch.optim.Optimizer, step: Step) -> tup
         warnings.simplefilter("ignore")
         step()
     seconds = time.perf_counter() - start
-    peak = sum(snap["Total"] for snap in tracker.get_tracker_snapshot("peak").values())
-    return seconds, peak
+    snapshots = tracker.get_tracker_snapshot("peak").values()
+    peak = sum(snap["Total"] for snap in snapshots)
+    state = sum(snap.get("Parameter", 0) + snap.get("Optstate", 0) for snap in snapshots)
+    return seconds, peak, state
 
 
-def profiler_timeline(step: Step) -> tuple[float, float, int]:
-    """One profiled step: its seconds, the export's seconds and the timeline's peak."""
+def profiler_timeline(step: Step) -> tuple[float, float, int, int]:
+    """One profiled step: its seconds, the export's seconds, the timeline's peak, and the
+    parameters plus optimizer state it shows at that peak."""
     from torch.profiler import ProfilerActivity, profile
-    from torch.profiler._memory_profiler import MemoryProfileTimeline
+    from torch.profiler._memory_profiler import (
+        _CATEGORY_TO_INDEX,
+        Category,
+        MemoryProfileTimeline,
+    )
 
     start = time.perf_counter()
     with profile(
@@ -342,41 +350,21 @@ def profiler_timeline(step: Step) -> tuple[float, float, int]:
         prof.export_memory_timeline(os.path.join(folder, "timeline.json"), device="cpu")
     export_s = time.perf_counter() - start
     _, sizes = MemoryProfileTimeline(prof._memory_profile())._coalesce_timeline("cpu")
-    return seconds, export_s, max(sum(row) for row in sizes)
+    row = max(sizes, key=sum)
+    state = sum(
+        row[_CATEGORY_TO_INDEX[c] + 1] for c in (Category.PARAMETER, Category.OPTIMIZER_STATE)
+    )
+    return seconds, export_s, sum(row), state
 
 
-# ---------------------------------------------------------------------------------- main
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="a small model (smoke run)")
-    parser.add_argument("--rows", type=int, default=2)
-    parser.add_argument("--seq", type=int, default=128)
-    parser.add_argument(
-        "--threads", type=int, default=1, help="intra-op threads (1: CPU time is stable under load)"
-    )
-    parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument(
-        "--big-rows", type=int, default=4, help="rows of the activation-heavy what_if step"
-    )
-    args = parser.parse_args(argv)
-    torch.set_num_threads(args.threads)
-    print(f"{datetime.date.today()}: python benchmarks/plan_accuracy.py {' '.join(sys.argv[1:])}")
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads\n")
-    model = build(args.quick)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    step = make_step(model, opt, args.rows, args.seq)
-    step()  # the optimizer's state exists from now on: every step below is a steady one
-    params = storage_bytes(model.parameters())
-    print(
-        f"model: {sum(p.numel() for p in model.parameters()) / 1e6:.1f} M parameters "
-        f"({mib(params)}), batch {args.rows} x {args.seq}\n"
-    )
-
+# ---------------------------------------------------------------------------------- parts
+def part_overhead(step: Step, rounds: int) -> dict[str, float]:
     idle_before = per_op_us()
     state_before = global_state()
-    cost = overhead(step, args.rounds)
+    cost = overhead(step, rounds)
     idle_after = per_op_us()
-    print("| step | seconds (median) | vs plain, wall | vs plain, CPU time |\n|---|---:|---:|---:|")
+    print("| step | seconds (median) | vs plain, wall | vs plain, CPU time |")
+    print("|---|---:|---:|---:|")
     print(f"| plain | {cost['plain_s']:.2f} | 1.00x | 1.00x |")
     print(
         f"| recorded (`ts.record()`) | {cost['recorded_s']:.2f} | {cost['recorded']:.2f}x | "
@@ -387,75 +375,138 @@ def main(argv: list[str] | None = None) -> None:
         f"{idle_after:.2f} µs after ({idle_after / idle_before:.2f}x); torch's global hooks, "
         f"dispatch modes and saved-tensor hooks as before: {global_state() == state_before}\n"
     )
+    return cost
 
-    plan = recorded(step)
-    reference = reference_peak(model, [opt], step)
+
+def part_accuracy(
+    model: nn.Module, opt: torch.optim.Optimizer, step: Step, plan: ts.MemoryPlan, reference: int
+) -> None:
+    params = storage_bytes(model.parameters())
     base = existing_bytes(model, [opt], step)
     state = storage_bytes([v for s in opt.state.values() for v in s.values()])
     print(plan, "\n")
     print("| quantity | plan | reference | ratio |\n|---|---:|---:|---:|")
-    print(
-        f"| peak (bytes alive at the step's peak) | {plan.peak_bytes:,} | {reference:,} | "
-        f"{plan.peak_bytes / reference:.4f} |"
-    )
-    print(
-        f"| peak above what existed before the step | {plan.peak_bytes - base:,} | "
-        f"{reference - base:,} | {(plan.peak_bytes - base) / (reference - base):.4f} |"
-    )
-    print(
-        f"| parameters at the peak | {plan.at_peak['parameter']:,} | {params:,} | "
-        f"{plan.at_peak['parameter'] / params:.4f} |"
-    )
-    print(
-        f"| optimizer state at the peak | {plan.at_peak['optimizer_state']:,} | {state:,} | "
-        f"{plan.at_peak['optimizer_state'] / state:.4f} |\n"
-    )
-
-    rows = []
-    for rows_, seq, what in ((args.big_rows, args.seq, "recompute offload"), (1, 64, "free")):
-        other = step if (rows_, seq) == (args.rows, args.seq) else make_step(model, opt, rows_, seq)
-        other()
-        base_plan = plan if other is step else recorded(other)
-        for row in what_if_rows(model, opt, other, base_plan, what):
-            rows.append((f"{row[0]} (batch {rows_} x {seq})", *row[1:]))
-    print("| change | recorded peak | predicted | measured | error |\n|---|---:|---:|---:|---:|")
-    for label, before, predicted, measured in rows:
-        print(
-            f"| {label} | {mib(before)} | {mib(predicted)} | {mib(measured)} | "
-            f"{100 * (predicted - measured) / measured:+.1f}% |"
-        )
+    rows = [
+        ("peak (bytes alive at the step's peak)", plan.peak_bytes, reference),
+        ("peak above what existed before the step", plan.peak_bytes - base, reference - base),
+        ("parameters at the peak", plan.at_peak["parameter"], params),
+        ("optimizer state at the peak", plan.at_peak["optimizer_state"], state),
+    ]
+    for label, mine, theirs in rows:
+        print(f"| {label} | {mine:,} | {theirs:,} | {mine / theirs:.4f} |")
     print()
 
+
+def part_what_if(
+    model: nn.Module, opt: torch.optim.Optimizer, step: Step, args: argparse.Namespace
+) -> None:
+    rows = []
+    for rows_, seq, what in ((args.big_rows, args.seq, "recompute offload"), (1, 64, "free")):
+        other = make_step(model, opt, rows_, seq)
+        other()
+        base_plan = recorded(other)
+        for row in what_if_rows(model, opt, other, base_plan, what):
+            rows.append((f"{row[0]} (batch {rows_} x {seq})", *row[1:]))
+        del other, base_plan
+        gc.collect()
+    print("| change | recorded peak | predicted | measured | error |")
+    print("|---|---:|---:|---:|---:|")
+    for label, before, predicted, measured in rows:
+        error = 100 * (predicted - measured) / measured
+        print(f"| {label} | {mib(before)} | {mib(predicted)} | {mib(measured)} | {error:+.1f}% |")
+    print()
+
+
+def part_peers(
+    model: nn.Module,
+    opt: torch.optim.Optimizer,
+    step: Step,
+    plan: ts.MemoryPlan,
+    reference: int,
+    recorded_ratio: float,
+    rounds: int,
+) -> None:
     tracker, timeline, export = [], [], []
-    tracker_peak = timeline_peak = 0
-    for _ in range(max(1, args.rounds - 1)):
+    tracker_peak = timeline_peak = tracker_state = timeline_state = 0
+    for _ in range(max(1, rounds - 2)):
         plain_s = timed(step)[0]
-        seconds, tracker_peak = mem_tracker(model, opt, step)
+        seconds, tracker_peak, tracker_state = mem_tracker(model, opt, step)
         tracker.append(seconds / plain_s)
         plain_s = timed(step)[0]
-        seconds, export_s, timeline_peak = profiler_timeline(step)
+        seconds, export_s, timeline_peak, timeline_state = profiler_timeline(step)
         timeline.append(seconds / plain_s)
         export.append(export_s)
+    exact = storage_bytes(model.parameters())
+    exact += storage_bytes([v for s in opt.state.values() for v in s.values()])
+    mine = plan.at_peak["parameter"] + plan.at_peak["optimizer_state"]
     med = statistics.median
     print(
         "| tool | categories | user line of the peak | per-op timeline | predicts a change | "
-        "CPU | step time vs plain | peak vs allocator |\n|---|---|---|---|---|---|---:|---:|"
+        "step time vs plain | peak vs allocator | parameters + optimizer state at its peak vs "
+        "their storages |\n|---|---|---|---|---|---:|---:|---:|"
     )
     print(
-        f"| tensorscope `ts.record()` | 6, exact for parameters and optimizer state | yes | "
-        f"yes (+ memory_viz snapshot, PNG) | yes (`what_if`) | yes | {cost['recorded']:.2f}x | "
-        f"{plan.peak_bytes / reference:.3f} |"
+        f"| tensorscope `ts.record()` | 6 | yes | yes (+ memory_viz snapshot, PNG) | yes "
+        f"(`what_if`) | {recorded_ratio:.2f}x | {plan.peak_bytes / reference:.3f} | "
+        f"{mine / exact:.3f} |"
     )
     print(
-        f"| `MemTracker` (torch.distributed._tools) | 7 per module, at module boundaries | no "
-        f"| no (module snapshots) | no | yes | {med(tracker):.2f}x | "
-        f"{tracker_peak / reference:.3f} |"
+        f"| `MemTracker` (torch.distributed._tools) | 7, per module, at module boundaries | no "
+        f"| no (module snapshots) | no | {med(tracker):.2f}x | {tracker_peak / reference:.3f} | "
+        f"{tracker_state / exact:.3f} |"
     )
     print(
-        f"| profiler memory timeline (`export_memory_timeline`) | 8, inferred from the graph | "
-        f"no (stacks per op event) | yes (by time) | no | yes | {med(timeline):.2f}x "
-        f"(+ {med(export):.1f} s export) | {timeline_peak / reference:.3f} |"
+        f"| profiler memory timeline (`export_memory_timeline`) | 8, inferred from the op graph "
+        f"| no (stacks per op event) | yes (by time) | no | {med(timeline):.2f}x (+ "
+        f"{med(export):.1f} s export) | {timeline_peak / reference:.3f} | "
+        f"{timeline_state / exact:.3f} |"
     )
+
+
+# ---------------------------------------------------------------------------------- main
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="a small model (smoke run)")
+    parser.add_argument("--rows", type=int, default=2)
+    parser.add_argument("--seq", type=int, default=128)
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument(
+        "--big-rows", type=int, default=12, help="rows of the activation-heavy what_if step"
+    )
+    parser.add_argument(
+        "--threads", type=int, default=1, help="intra-op threads (1: CPU time is stable under load)"
+    )
+    parser.add_argument(
+        "--parts",
+        default="overhead,accuracy,whatif,peers",
+        help="which parts to run, comma-separated (default: all four)",
+    )
+    args = parser.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    print(f"{datetime.date.today()}: python benchmarks/plan_accuracy.py {' '.join(sys.argv[1:])}")
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} intra-op thread(s)\n")
+    model = build(args.quick)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    step = make_step(model, opt, args.rows, args.seq)
+    step()  # the optimizer's state exists from now on: every step below is a steady one
+    params = storage_bytes(model.parameters())
+    print(
+        f"model: {sum(p.numel() for p in model.parameters()) / 1e6:.1f} M parameters "
+        f"({mib(params)}), batch {args.rows} x {args.seq}\n"
+    )
+    parts = set(args.parts.split(","))
+    cost = {"recorded": float("nan")}
+    if "overhead" in parts:
+        cost = part_overhead(step, args.rounds)
+    if parts & {"accuracy", "peers"}:
+        plan = recorded(step)
+        reference = reference_peak(model, [opt], step)
+        if "accuracy" in parts:
+            part_accuracy(model, opt, step, plan, reference)
+        if "peers" in parts:
+            part_peers(model, opt, step, plan, reference, cost["recorded"], args.rounds)
+    if "whatif" in parts:
+        part_what_if(model, opt, step, args)
 
 
 if __name__ == "__main__":

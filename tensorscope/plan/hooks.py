@@ -20,7 +20,6 @@ from op 0 even where no call reveals them (inside a compiled graph).
 
 from __future__ import annotations
 
-import threading
 import weakref
 from collections.abc import Iterator
 from typing import Any
@@ -32,7 +31,7 @@ from torch.optim.optimizer import (
 )
 
 from tensorscope._torch import graph_task_id
-from tensorscope.plan.mode import OPEN, skip_in_dynamo
+from tensorscope.plan.mode import recorder_here, skip_in_dynamo
 from tensorscope.plan.recorder import Recorder, Watch
 
 __all__ = ["install", "tensors_in", "uninstall"]
@@ -153,7 +152,7 @@ def _path(rec: Recorder, module: torch.nn.Module) -> str:
 def _before_forward(module: torch.nn.Module, args: Any) -> None:
     if _compiling():  # inside a compiled graph: it counts as its outputs
         return
-    rec = OPEN.get(threading.get_ident())
+    rec = recorder_here()
     if rec is None:
         return
     path = _path(rec, module)
@@ -165,7 +164,7 @@ def _before_forward(module: torch.nn.Module, args: Any) -> None:
 def _after_forward(module: torch.nn.Module, args: Any, output: Any) -> None:
     if _compiling():  # inside a compiled graph: it counts as its outputs
         return
-    rec = OPEN.get(threading.get_ident())
+    rec = recorder_here()
     if rec is None:
         return
     open_calls = rec.module_calls.get(id(module))
@@ -192,7 +191,7 @@ def _note_parameter(rec: Recorder, param: torch.Tensor, name: str = "") -> Watch
 
 def _at_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
     """Before and after each optimizer step: its parameters' gradients and state."""
-    rec = OPEN.get(threading.get_ident())
+    rec = recorder_here()
     if rec is None:
         return
     state = optimizer.state

@@ -40,6 +40,7 @@ __all__ = [
     "PlanMode",
     "observe_compiled",
     "pack",
+    "recorder_here",
     "skip_in_dynamo",
     "unpack",
 ]
@@ -59,6 +60,15 @@ _is_grad_enabled = torch.is_grad_enabled
 _GRADIENT = "gradient"
 _weak = weakref.ref
 _compiling = torch.compiler.is_compiling
+
+
+def recorder_here() -> Recorder | None:
+    """The recording open on this thread; in autograd's engine on another thread (CUDA's device
+    threads run the backward of a step recorded on the main thread), the one open recording."""
+    rec = OPEN.get(threading.get_ident())
+    if rec is None and len(OPEN) == 1 and graph_task_id() != -1:
+        rec = next(iter(OPEN.values()))
+    return rec
 
 
 def _classify(func: Any) -> tuple[str, int]:
@@ -298,7 +308,7 @@ def pack(tensor: torch.Tensor) -> Any:
     Returns a plain alias without autograd metadata: the tensor itself would make a reference
     cycle through its own ``grad_fn`` for a saved output (freed by the cycle collector only).
     """
-    rec = OPEN.get(threading.get_ident())
+    rec = recorder_here()
     if rec is not None and not _compiling():
         w = rec.watch(tensor, -1)
         if w is not None:
@@ -349,6 +359,7 @@ class observe_compiled:
 
 
 skip_in_dynamo(
+    recorder_here,
     PlanMode.__torch_dispatch__,
     _region,
     _use,

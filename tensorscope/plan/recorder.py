@@ -210,7 +210,7 @@ class Recorder:
             return
         changes: dict[int, str] = {}
         tiers = self.tiers
-        for w in self.live.values():
+        for w in list(self.live.values()):  # frees may come from autograd's device threads
             if not w.managed:
                 continue
             tier = reader(w.managed)
