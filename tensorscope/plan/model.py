@@ -128,6 +128,21 @@ class MemoryPlan:
             (``clip_grad_norm_``): freeing gradients at their update would change what they see.
         device: the device whose memory this is (the one holding the parameters).
         seconds: the step's duration, recording included.
+
+    Example:
+        >>> import torch, tensorscope as ts
+        >>> model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(),
+        ...                             torch.nn.Linear(256, 64))
+        >>> x = torch.randn(32, 64)
+        >>> with ts.record() as rec:
+        ...     model(x).square().mean().backward()
+        >>> plan = rec.plan()
+        >>> plan.peak_phase, plan.at_peak["parameter"] == (64 * 256 + 256 + 256 * 64 + 64) * 4
+        ('backward', True)
+        >>> [life.name for life in plan.largest_at_peak(2) if life.category == "parameter"]
+        ['0.weight', '2.weight']
+        >>> plan.blocks
+        ['', '0', '1', '2']
     """
 
     peak_bytes: int
@@ -198,6 +213,18 @@ class MemoryPlan:
         Raises:
             InvalidArgumentError: a block that did not run in the recorded step (the message
                 lists the names that did).
+
+        Example:
+            >>> import torch, tensorscope as ts
+            >>> block = lambda: torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.GELU())
+            >>> model = torch.nn.Sequential(*[block() for _ in range(4)])
+            >>> with ts.record() as rec:
+            ...     model(torch.randn(4096, 64)).sum().backward()
+            >>> plan = rec.plan()
+            >>> print(plan.what_if(recompute=["1", "2"]))  # GELU's saved inputs: 1 MiB each
+            predicted peak 7.1 MiB (2.0 MiB less than recorded)
+              - 1 recomputed in backward
+              - 2 recomputed in backward
         """
         from tensorscope.plan.whatif import predict
 
