@@ -14,6 +14,7 @@
 
 from __future__ import annotations
 
+import os
 import threading
 from types import TracebackType
 from typing import Any
@@ -192,6 +193,22 @@ def _remove_mode(mode: PlanMode) -> None:
         pop_mode()
     for other in reversed(above):
         push_mode(other)
+
+
+def _forget_in_child() -> None:
+    """A process forked while recording (a DataLoader worker) records nothing: its ops are not
+    the step's, and its copy of the recorder would only grow."""
+    for rec in OPEN.values():
+        rec.open = False
+    OPEN.clear()
+    depth = torch._C._len_torch_dispatch_stack()
+    modes = [torch._C._get_dispatch_stack_at(i) for i in range(depth)]
+    for mode in modes:
+        if isinstance(mode, PlanMode):
+            _remove_mode(mode)
+
+
+os.register_at_fork(after_in_child=_forget_in_child)
 
 
 def _mark_gradients(rec: Recorder) -> None:

@@ -212,3 +212,18 @@ def test_saved_tensor_hooks_can_be_left_out_for_torch_func() -> None:
     plan = rec.plan()
     assert set(grads) == set(params) and plan.peak_bytes > 0
     assert plan.at_peak["parameter"] == storage_bytes(model.parameters())
+
+
+def test_dataloader_workers_forked_while_recording() -> None:
+    from torch.utils.data import DataLoader, TensorDataset
+
+    data = TensorDataset(torch.randn(64, 8))
+    model = nn.Linear(8, 2)
+    with ts.record() as rec:
+        for (x,) in DataLoader(data, batch_size=16, num_workers=2):
+            model(x).sum().backward()
+    plan = rec.plan()
+    assert plan.at_peak["parameter"] == 8 * 2 * 4 + 2 * 4
+    gradients = [life for life in plan.lifetimes if life.category == "gradient"]
+    assert sum(life.nbytes for life in gradients) == plan.at_peak["parameter"]  # made once
+    assert len([op for op in plan.ops if op.phase == "backward"]) > 4  # four backwards
