@@ -11,6 +11,8 @@ from tensorscope.errors import (
     InvalidArgumentError,
     LeakWarning,
     OutOfBudgetError,
+    PlanError,
+    PlanFileError,
     ResidencyError,
     ResidencyWarning,
     ScheduleError,
@@ -18,6 +20,7 @@ from tensorscope.errors import (
     TensorScopeError,
 )
 from tensorscope.manage import ManagedModule, ManagedParameter, manage
+from tensorscope.plan import MemoryPlan, record
 from tensorscope.policies import Flow, Genoa, Policy
 from tensorscope.ref import DisposedTensor, TensorRef, dispose, ref
 from tensorscope.residency import ResidencyManager, ResidencyReport, residency
@@ -47,7 +50,10 @@ __all__ = [
     "LeakWarning",
     "ManagedModule",
     "ManagedParameter",
+    "MemoryPlan",
     "OutOfBudgetError",
+    "PlanError",
+    "PlanFileError",
     "Policy",
     "ResidencyError",
     "ResidencyManager",
@@ -66,6 +72,7 @@ __all__ = [
     "dispose_everything_but",
     "empty_init",
     "manage",
+    "record",
     "ref",
     "reset_stats",
     "residency",

@@ -36,18 +36,24 @@ from tensorscope._thread import CURRENT_SCOPE, owning_scope, thread_state
 from tensorscope._torch import tracing
 from tensorscope.ref import TensorRef
 
-__all__ = ["install", "owning_outputs"]
+__all__ = ["OBSERVERS", "install", "owning_outputs"]
 
 _OUTPUT_GRAPH = "torch._dynamo.output_graph"
 _Tensor = torch.Tensor
 _lock = threading.Lock()
 _patched: list[bool] = []
+# Told about every call of compiled code while non-empty (``ts.record()``'s recorder):
+# ``observer.enter()`` before, ``observer.exit(out, args)`` after (also when the call raised,
+# with ``out`` None). Empty otherwise, at the cost of one list test per call.
+OBSERVERS: list[Any] = []
 
 
 def owning_outputs(compiled_fn: Callable[..., Any]) -> Callable[..., Any]:
     """Wrap a backend's compiled callable so its fresh plain outputs are owned in scopes."""
 
     def run_compiled(*args: Any, **kwargs: Any) -> Any:
+        if OBSERVERS:
+            return _observed(compiled_fn, args, kwargs)
         out = compiled_fn(*args, **kwargs)
         if CURRENT_SCOPE.get() is not None:
             _own(out, args)
@@ -57,6 +63,21 @@ def owning_outputs(compiled_fn: Callable[..., Any]) -> Callable[..., Any]:
     run_compiled.__qualname__ = run_compiled.__name__
     run_compiled.__wrapped__ = compiled_fn  # type: ignore[attr-defined]
     return run_compiled
+
+
+def _observed(compiled_fn: Callable[..., Any], args: Any, kwargs: Any) -> Any:
+    observers = list(OBSERVERS)
+    for observer in observers:
+        observer.enter()
+    out = None
+    try:
+        out = compiled_fn(*args, **kwargs)
+        if CURRENT_SCOPE.get() is not None:
+            _own(out, args)
+    finally:
+        for observer in reversed(observers):
+            observer.exit(out, args)
+    return out
 
 
 def _own(out: Any, args: Sequence[Any]) -> None:

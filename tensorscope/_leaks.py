@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from tensorscope._reach import objects_in
 from tensorscope._sites import format_site
 from tensorscope._units import format_bytes
 from tensorscope.errors import LeakWarning
@@ -44,11 +45,13 @@ def find_leaks(
     scope: DisposeScope, frame: FrameType, locals_at_entry: set[int]
 ) -> list[LeakRecord]:
     """Owned refs of ``scope`` that something outside the scope's own frame still references."""
-    # Only the scope's own frame and its locals created inside the scope may hold a ref
-    # without it being a leak; anything else (a list made before the scope, an attribute,
-    # a closure cell, a global) would keep the tensor alive beyond the step.
-    local_ids = {id(v) for v in frame.f_locals.values()} - locals_at_entry
-    ignored = {id(frame), id(frame.f_locals)}
+    # Only the scope's own frame, its locals bound inside the scope and what those locals hold
+    # (a dict of lists, a ModelOutput with its cache) may hold a ref without it being a leak;
+    # anything else (a list made before the scope, an attribute, a closure cell, a global)
+    # would keep the tensor alive beyond the step.
+    new_locals = [v for v in frame.f_locals.values() if id(v) not in locals_at_entry]
+    ignored = {id(frame), id(frame.f_locals), id(new_locals)}
+    inside = _held_by_locals(new_locals, ignored)
     records = []
     for state in scope.owned_states():
         tensor = state()
@@ -59,12 +62,12 @@ def find_leaks(
             for holder in gc.get_referrers(tensor)
             if not isinstance(holder, FrameType)
             and id(holder) not in ignored
-            and id(holder) not in local_ids
+            and id(holder) not in inside
         ]
         if holders:
             records.append(
                 LeakRecord(
-                    tuple(tensor.shape),
+                    _shape(tensor),
                     tensor.dtype,
                     tensor.numel() * tensor.element_size(),
                     format_site(state.site),
@@ -73,6 +76,43 @@ def find_leaks(
             )
         del tensor
     return records
+
+
+def _held_by_locals(new_locals: list[object], ignored: set[int]) -> set[int]:
+    """Ids of the scope's new locals, and of the containers and objects reachable from them,
+    that nothing else references, directly or through a referrer of their own (a dict
+    appended to a list made before the scope is not the scope's: what it holds leaks
+    through it)."""
+    reachable: dict[int, object] = {}
+    for value in new_locals:
+        for item in objects_in(value):
+            if not isinstance(item, torch.Tensor):
+                reachable[id(item)] = item
+                attributes = getattr(item, "__dict__", None)
+                if isinstance(attributes, dict):  # an object's attributes hold its tensors
+                    reachable[id(attributes)] = attributes
+    ignored = ignored | {id(reachable), id(new_locals)}  # this function's own bookkeeping
+    referrers: dict[int, set[int]] = {}
+    for key in list(reachable):  # (not .items(): its iterator keeps the last pair alive)
+        found = gc.get_referrers(reachable[key])
+        referrers[key] = {
+            id(r) for r in found if not isinstance(r, FrameType) and id(r) not in ignored
+        }
+        del found
+    referrers.pop(id(referrers), None)
+    inside = set(reachable)
+    changed = True
+    while changed:  # drop what something outside holds, until nothing changes
+        changed = False
+        for key in list(inside):
+            if not referrers[key] <= inside | {id(referrers)}:
+                inside.discard(key)
+                changed = True
+    return inside
+
+
+def _shape(tensor: torch.Tensor) -> tuple[int, ...]:
+    return (tensor.size(0),) if tensor.is_nested else tuple(tensor.shape)
 
 
 def warn_leaks(scope_words: str, leaks: list[LeakRecord]) -> None:

@@ -61,12 +61,14 @@ def _before_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> No
 
 def _after_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
     _stateless_before.pop(optimizer, None)
-    manager = active_residency()
-    if manager is not None:
-        manager.iteration_boundary()
-    state = thread_state()
-    if state.popped_for == "optimizer":
-        state.resume(step_completed=True)
+    try:
+        manager = active_residency()
+        if manager is not None:
+            manager.iteration_boundary()  # may raise (a sharded parameter it cannot manage)
+    finally:
+        state = thread_state()
+        if state.popped_for == "optimizer":
+            state.resume(step_completed=True)
 
 
 def install_hooks() -> list[Any]:

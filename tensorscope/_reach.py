@@ -15,13 +15,14 @@ Layer 6: imports only torch.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import types
 from collections.abc import Iterator
 from typing import Any
 
 import torch
 
-__all__ = ["tensors_in"]
+__all__ = ["objects_in", "tensors_in"]
 
 MAX_DEPTH = 6
 MAX_OBJECTS = 100_000
@@ -39,8 +40,12 @@ _OPAQUE = (
 )
 
 
-def tensors_in(value: Any) -> Iterator[torch.Tensor]:
+def tensors_in(value: Any, *, through_callables: bool = False) -> Iterator[torch.Tensor]:
     """Every tensor reachable from ``value`` (see the NOTE above), each object visited once.
+
+    ``through_callables``: also the arguments bound in ``functools.partial`` objects and the
+    cells of closures (what a function will read when it is called again: a checkpoint's
+    recomputation).
 
     Example:
         >>> import torch
@@ -48,21 +53,48 @@ def tensors_in(value: Any) -> Iterator[torch.Tensor]:
         >>> len(list(tensors_in({"a": torch.ones(1), "b": [torch.zeros(2), 3]})))
         2
     """
+    for item in objects_in(value, through_callables=through_callables):
+        if isinstance(item, torch.Tensor):
+            yield item
+
+
+def objects_in(value: Any, *, through_callables: bool = False) -> Iterator[Any]:
+    """Every object the walk of ``tensors_in`` visits (containers, objects and tensors, not
+    atoms such as numbers and strings), each once, ``value`` included."""
     seen: set[int] = set()
     stack: list[tuple[Any, int]] = [(value, 0)]
     while stack and len(seen) < MAX_OBJECTS:
         item, depth = stack.pop()
-        if isinstance(item, torch.Tensor):
-            if id(item) not in seen:
-                seen.add(id(item))
-                yield item
-            continue
-        if depth >= MAX_DEPTH or isinstance(item, _ATOMS) or id(item) in seen:
+        if isinstance(item, _ATOMS) or id(item) in seen:
             continue
         seen.add(id(item))
-        children = _children(item)
+        yield item
+        if isinstance(item, torch.Tensor) or depth >= MAX_DEPTH:
+            continue
+        children = _bound(item) if through_callables else None
+        if children is None:
+            children = _children(item)
         if children is not None:
             stack.extend((child, depth + 1) for child in reversed(children))
+
+
+def _bound(item: Any) -> list[Any] | None:
+    """What a callable carries to its next call: a partial's arguments, a closure's cells."""
+    if isinstance(item, functools.partial):
+        return [item.func, *item.args, *item.keywords.values()]
+    if isinstance(item, types.MethodType):
+        return [item.__func__]
+    if isinstance(item, types.FunctionType):
+        return [cell.cell_contents for cell in item.__closure__ or () if _filled(cell)]
+    return None
+
+
+def _filled(cell: Any) -> bool:
+    try:
+        cell.cell_contents  # noqa: B018 - an empty cell raises
+    except ValueError:
+        return False
+    return True
 
 
 def _children(item: Any) -> list[Any] | None:

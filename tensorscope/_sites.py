@@ -98,6 +98,8 @@ _STATE_MAKER_PATHS = tuple(
         "nested/_internal/",
         "distributed/",
         "nn/parallel/distributed.py",
+        # A checkpoint's RNG states and recomputation bookkeeping are its graph's.
+        "utils/checkpoint.py",
     )
 )
 

@@ -3,7 +3,8 @@
 Every error tensorscope raises derives from :class:`TensorScopeError`, and also from the builtin
 exception a PyTorch user would expect (``RuntimeError``, ``MemoryError``, ``ValueError``,
 ``TypeError``), so existing ``except`` clauses keep working. Messages start with the subsystem
-(``tensorscope.scope:``, ``tensorscope.residency:``, ``tensorscope.checkpoint:``), state the
+(``tensorscope.scope:``, ``tensorscope.residency:``, ``tensorscope.checkpoint:``,
+``tensorscope.plan:``), state the
 values involved with human-readable sizes, and say how to fix the problem.
 
 This module imports nothing: it is layer 0.
@@ -17,6 +18,8 @@ __all__ = [
     "InvalidArgumentError",
     "LeakWarning",
     "OutOfBudgetError",
+    "PlanError",
+    "PlanFileError",
     "ResidencyError",
     "ResidencyWarning",
     "ScheduleError",
@@ -62,6 +65,15 @@ class InvalidArgumentError(TensorScopeError, ValueError):
 
 class ArgumentTypeError(TensorScopeError, TypeError):
     """An argument of the wrong type was passed to tensorscope (a list where a tensor is needed)."""
+
+
+class PlanError(TensorScopeError, RuntimeError):
+    """Misuse of ``ts.record()`` or a plan: a recording nested in another, ``plan()`` before the
+    block ended, a block that ran no op."""
+
+
+class PlanFileError(PlanError, OSError):
+    """A plan's picture or snapshot could not be written (an unwritable or missing directory)."""
 
 
 class ResidencyWarning(UserWarning):

@@ -10,95 +10,210 @@ current values.
 
 from __future__ import annotations
 
-import copy
 import itertools
 import os
 import warnings
 import weakref
 from types import TracebackType
-from typing import Any
 
 import torch
 from torch import nn
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 from typing_extensions import Self
 
-from tensorscope._torch import plain_repr, treat_as_plain_for_tracing
 from tensorscope.errors import ArgumentTypeError, ResidencyError, ResidencyWarning
 from tensorscope.loading import Loaded, load_checkpoint
-from tensorscope.ref import ResidencyMethods
-from tensorscope.residency import ResidencyManager, residency
+from tensorscope.residency import ResidencyManager, residency, watch
+from tensorscope.residency.managed import PLAIN_CLASS, ManagedBuffer, ManagedParameter
 from tensorscope.residency.placement import Placement
 
 __all__ = ["ManagedBuffer", "ManagedModule", "ManagedParameter", "manage"]
 
 
-class ManagedParameter(ResidencyMethods, nn.Parameter):
-    """An ``nn.Parameter`` whose data the residency manager moves between tiers."""
-
-    def __repr__(self, *, tensor_contents: Any = None) -> str:  # type: ignore[override]
-        return "Parameter containing:\n" + plain_repr(self.data)
-
-    def __deepcopy__(self, memo: dict[int, Any]) -> nn.Parameter:
-        if id(self) in memo:
-            return memo[id(self)]  # type: ignore[no-any-return]
-        result = nn.Parameter(self.data.clone(), self.requires_grad)
-        memo[id(self)] = result
-        return result
-
-    def __reduce_ex__(self, proto: Any) -> Any:  # pickles as a plain Parameter
-        rebuild = torch._utils._rebuild_parameter
-        return (rebuild, (self.data, self.requires_grad, {}))
-
-
-class ManagedBuffer(ResidencyMethods, torch.Tensor):
-    """A module buffer whose data the residency manager moves between tiers."""
-
-    __torch_function__ = torch._C._disabled_torch_function_impl  # type: ignore[assignment]
-
-    def __repr__(self, *, tensor_contents: Any = None) -> str:  # type: ignore[override]
-        return plain_repr(self.data)
-
-    def __deepcopy__(self, memo: dict[int, Any]) -> torch.Tensor:
-        return copy.deepcopy(self.data, memo)
-
-    def __reduce_ex__(self, proto: Any) -> Any:
-        return torch.Tensor._reduce_ex_internal(self.data, proto)  # type: ignore[no-untyped-call]
-
-
-# Compiled code (AOTAutograd) is given managed parameters and buffers as it is given plain ones.
-treat_as_plain_for_tracing(ManagedParameter)
-treat_as_plain_for_tracing(ManagedBuffer)
-
-
 class ManagedModule:
-    """The handle ``ts.manage(module)`` returns: ``remove()`` (or leave a ``with`` block)."""
+    """The handle ``ts.manage(module)`` returns: ``remove()`` (or leave a ``with`` block), and
+    ``refresh()``.
+
+    The module stays managed when its tensors change: ``model.half()``/``.to(dtype)``, a new
+    ``nn.Parameter`` or buffer assigned, a new submodule (``resize_token_embeddings``), a
+    parametrization: the new tensors are managed under their names at once (residency/watch.py).
+    """
 
     _ids = itertools.count(1)
 
     def __init__(self, module: nn.Module, manager: ResidencyManager) -> None:
-        self.module = module
-        self._manager = manager
+        # NOTE [the handle does not keep the module alive]
+        # watch.py keeps every handle (its OWNERS map: a weak key per submodule, the handle as
+        # value) so that a handle the user dropped (``ts.manage(model)`` without keeping the
+        # result) still watches its module. The handle holds the module weakly: dropping the
+        # model frees it, its handle and (by the sweep) its placements, as before.
+        self._module = weakref.ref(module)
+        self.manager = manager
         self._id = next(self._ids)
         self._count = 0
         self._groups: set[int] = set()
         self._removed = False
+        self._refused: set[int] = set()  # ids of tensors named in a warning already
+        self._seen: list[tuple[weakref.ref[nn.Module], list[tuple[str, int]]]] = []
 
-    def _add(self, tensor: torch.Tensor, name: str) -> None:
+    def _add(self, tensor: torch.Tensor, name: str) -> Placement:
         # Roles name a tensor across iterations (Flow's predictions); the handle's id keeps two
         # models with the same parameter names apart.
-        self._adopt(tensor, self._manager.manage_tensor(tensor, (self._id, name)))
+        placement = self.manager.manage_tensor(tensor, (self._id, name))
+        self._adopt(tensor, placement)
+        return placement
 
     def _adopt(self, tensor: torch.Tensor, placement: Placement) -> None:
         self._groups.add(placement.uid)
-        original = type(tensor)
+        placement.owner = weakref.ref(self)
+        self._switch_class(tensor, placement)
+        self._count += 1
+
+    @staticmethod
+    def _switch_class(tensor: torch.Tensor, placement: Placement) -> None:
+        original = PLAIN_CLASS.get(type(tensor), type(tensor))
         if original is nn.Parameter:
             tensor.__class__ = ManagedParameter
         elif original is torch.Tensor:
             tensor.__class__ = ManagedBuffer
         # The manager gives the class back when it stops managing the tensor (remove(), or
         # ts.residency.reset() after the handle was dropped).
-        placement.restore = (weakref.ref(tensor), original)
-        self._count += 1
+        if not any(ref() is tensor for ref, _ in placement.restore):
+            placement.restore.append((weakref.ref(tensor), original))
+
+    # ------------------------------------------------------------------- changes after manage
+    def adopt(self, tensor: torch.Tensor, name: str, settle: bool = True) -> bool:
+        """Manage ``tensor``, found under ``name`` of the module after ``ts.manage()`` (a new
+        parameter, buffer or submodule); whether it is managed now. One that cannot be managed
+        stays in ordinary memory, with a ``ResidencyWarning`` naming it."""
+        if self._removed:
+            return False
+        placement = self.manager.placement_of(tensor)
+        if placement is not None:  # a tied weight, an alias: its storage is managed already
+            owner = placement.owner() if placement.owner is not None else None
+            if owner is None:  # e.g. made by an op in a scope (model.half() in a scope)
+                self.manager.claim(placement, (self._id, name))
+                self._adopt(tensor, placement)
+            else:
+                self._switch_class(tensor, placement)
+            return True
+        problem = unmanageable(tensor, self.manager)
+        if problem is not None:
+            self._refuse(tensor, name, problem)
+            return False
+        placement = self._add(tensor, name)
+        if settle:
+            self.manager.settle({placement.uid}, whole=False)
+        return True
+
+    def _refuse(self, tensor: torch.Tensor, name: str, problem: str) -> None:
+        """A tensor of the module that cannot be managed: a sharded one (a ``DTensor``) raises,
+        any other is named once in a ``ResidencyWarning``."""
+        if is_traceable_wrapper_subclass(tensor):
+            raise ResidencyError(
+                f"tensorscope.residency: {name} of the managed module is now a "
+                f"{type(tensor).__name__}: FSDP2's fully_shard or tensor parallelism replaced it "
+                "after ts.manage(), and ts.manage() moves dense tensors only, so the module is "
+                "no longer under the budget. Call handle.remove() before sharding the model (a "
+                "sharded model cannot be managed)."
+            )
+        if id(tensor) in self._refused:
+            return
+        self._refused.add(id(tensor))
+        warnings.warn(
+            f"tensorscope.residency: {name} of the managed module is {problem}, so it stays in "
+            "ordinary memory, unmanaged (outside the budget). Move it to "
+            f"{self.manager.device} (or give it a value) and call handle.refresh().",
+            ResidencyWarning,
+            stacklevel=4,
+        )
+
+    def complete(self) -> bool:
+        """Whether the module's parameters are those seen when it was last managed or
+        refreshed: what ``watch.audit()`` asks at each optimizer step, to find changes no hook
+        saw (about 0.1 µs per parameter: the modules' parameter dicts against a snapshot)."""
+        for ref, seen in self._seen:
+            module = ref()
+            if module is None:
+                continue
+            parameters = module._parameters
+            if len(parameters) != len(seen):
+                return False
+            for name, ident in seen:
+                if id(parameters.get(name)) != ident:
+                    return False
+        return True
+
+    def snapshot(self) -> None:
+        """Remember every module's parameters as they are now (see ``complete``): weakly, by
+        identity, so that the snapshot keeps neither the modules nor their parameters alive."""
+        root = self._module()
+        self._seen = [
+            (weakref.ref(module), [(name, id(p)) for name, p in module._parameters.items()])
+            for module in (root.modules() if root is not None else ())
+        ]
+
+    def readopt(self, tensor: torch.Tensor, old: Placement, settle: bool) -> None:
+        """``tensor``'s data was replaced (``.data = ...``, ``set_()``, ``module.half()``):
+        the new storage is managed under the old one's name; the old one goes once nothing
+        else holds it."""
+        name = old.role[1] if isinstance(old.role, tuple) else str(old.role)
+        # The old storage is let go first (its room counts for the new one), without giving
+        # ``tensor`` its plain class back: it stays managed.
+        old.restore = [(ref, cls) for ref, cls in old.restore if ref() is not tensor]
+        self.manager.storages_disposed([old.key])
+        self.adopt(tensor, name, settle=settle)
+
+    def refresh(self) -> list[str]:
+        """Manage every parameter, buffer and gradient of the module not managed yet (one
+        replaced without torch's registration hooks, e.g. by writing
+        ``module._parameters[name]``); returns the names newly managed.
+
+        Example:
+            >>> import torch, tensorscope as ts
+            >>> model = torch.nn.Linear(4, 4)
+            >>> handle = ts.manage(model)
+            >>> model._parameters["bias"] = torch.nn.Parameter(torch.zeros(4))  # no hook sees it
+            >>> handle.refresh()
+            ['bias']
+            >>> handle.remove()
+        """
+        if self._removed or self._module() is None:
+            return []
+        manager = self.manager
+        manager.storages_disposed([])  # what the changes left behind frees room first
+        found: list[str] = []
+        before = set(self._groups)
+        module = self.module
+        watch.track(self)
+        named = [*module.named_parameters(remove_duplicate=False), *module.named_buffers()]
+        for name, tensor in named:
+            managed = manager.placement_of(tensor) is not None
+            if self.adopt(tensor, name, settle=False) and not managed:
+                found.append(name)
+        for param in module.parameters():
+            grad = param.grad
+            placement = manager.placement_of(param)
+            if grad is not None and placement is not None and unmanageable(grad, manager) is None:
+                manager.manage_tensor(grad, None, group=placement.uid)
+        manager.settle(self._groups - before)
+        self.snapshot()
+        return found
+
+    @property
+    def module(self) -> nn.Module:
+        """The managed module.
+
+        Raises:
+            ResidencyError: the module was freed (the handle does not keep it alive).
+        """
+        module = self._module()
+        if module is None:
+            raise ResidencyError(
+                "tensorscope.residency: the module of this ts.manage() handle was freed; "
+                "keep a reference to the model as long as you use its handle."
+            )
+        return module
 
     @property
     def removed(self) -> bool:
@@ -111,8 +226,9 @@ class ManagedModule:
         """
         if self._removed:
             return
+        self.manager.unmanage(self._groups)  # raises for lost bytes: then call it again later
         self._removed = True
-        self._manager.unmanage(self._groups)
+        watch.untrack(self)
 
     def __enter__(self) -> Self:
         return self
@@ -127,7 +243,9 @@ class ManagedModule:
 
     def __repr__(self) -> str:
         state = "removed" if self._removed else f"{self._count} tensors"
-        return f"<ManagedModule {type(self.module).__name__}: {state}>"
+        module = self._module()
+        name = type(module).__name__ if module is not None else "(freed)"
+        return f"<ManagedModule {name}: {state}>"
 
 
 def _check_module(module: object, manager: object) -> tuple[nn.Module, ResidencyManager]:
@@ -201,6 +319,14 @@ def manage(
     dense = []
     sparse = []
     for name, tensor in tensors:
+        if is_traceable_wrapper_subclass(tensor):
+            _release_loaded(manager, loaded)
+            raise ResidencyError(
+                f"tensorscope.residency: {name} is a {type(tensor).__name__}, a tensor subclass "
+                "wrapping others (FSDP2's fully_shard and tensor parallelism make DTensors); "
+                "ts.manage() moves dense tensors only. Manage the model without sharding it, "
+                "or shard it without ts.manage() (docs/residency.md, Limits)."
+            )
         if tensor.layout is not torch.strided:
             sparse.append(name)
             continue
@@ -243,7 +369,23 @@ def manage(
     except BaseException:
         handle.remove()
         raise
+    watch.install()  # the module stays managed when its tensors change (watch.py)
+    watch.track(handle)
+    handle.snapshot()
     return handle
+
+
+def unmanageable(tensor: torch.Tensor, manager: ResidencyManager) -> str | None:
+    """Why ``tensor`` cannot be managed (for messages: "on the meta device"), or None."""
+    if is_traceable_wrapper_subclass(tensor):
+        return f"a {type(tensor).__name__} (a tensor subclass wrapping others)"
+    if tensor.layout is not torch.strided:
+        return f"not dense ({tensor.layout})"
+    if tensor.device.type == "meta":
+        return "on the meta device"
+    if tensor.device.type != manager.device.type:
+        return f"on {tensor.device}, not on the device tier ({manager.device})"
+    return None
 
 
 def _release_loaded(manager: ResidencyManager, loaded: list[Loaded]) -> None:

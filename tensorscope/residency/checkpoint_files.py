@@ -5,19 +5,22 @@
 returns where each stored tensor's bytes lie, reading headers only: the ``safetensors`` package
 validates each file (a truncated or corrupt one is refused here, never later), and the data
 offsets come from the header itself (the documented format: an 8-byte little-endian length, a
-JSON header, the data).
+JSON header, the data). The fingerprints of the integrity check are read when a tensor is
+placed (``CheckpointFile.remember``).
 
 # NOTE [a checkpoint file as the disk tier]
 # A stored tensor whose dtype is the parameter's needs no copy: its storage is the mapping of
 # the file at its offset (``CheckpointFile``: mapped private, so the file is never written even by
 # mistake). Promoting maps its pages from the page cache or the disk, demoting drops them. A
 # tensor that is to be written (an optimizer step, ``copy_``) first gets its own offload file
-# (copy on first write: ``Movers.relocate``). ``intact()`` compares the file's identity, size and
-# modification time with what they were at load: a checkpoint replaced, truncated or rewritten
-# behind the manager's back fails the check before anything touches the mapping (a truncated
-# mapping would raise SIGBUS). Writing to a checkpoint-backed tensor from a thread tensorscope does
-# not intercept lands in private memory that a later demotion discards: use managed tensors from
-# the thread that called ``ts.manage()`` or one with a scope open.
+# (copy on first write: ``Movers.relocate``). Before anything touches the mapping the file is
+# checked (``refresh``: its status, and when that changed its header and the fingerprints of
+# its tensors; integrity.py's NOTE): a tensor whose bytes were truncated away or changed behind
+# the manager's back raises ``ResidencyError`` instead of SIGBUS or silently other weights, and
+# the other tensors of the file go on working. Writing to a checkpoint-backed tensor from a
+# thread tensorscope does not intercept lands in private memory that a later demotion
+# discards: use managed tensors from the thread that called ``ts.manage()`` or one with a
+# scope open.
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ import torch
 
 from tensorscope._units import format_bytes
 from tensorscope.errors import ArgumentTypeError, ResidencyError
+from tensorscope.residency.integrity import FileStatus, fingerprint, header_digest, reader, status
 from tensorscope.residency.mapping import PAGE, MappedFile
 
 __all__ = ["CheckpointFile", "StoredTensor", "checkpoint_files", "read_checkpoint"]
@@ -152,7 +156,7 @@ def read_checkpoint(checkpoint: str | os.PathLike[str]) -> dict[str, StoredTenso
 
 
 class CheckpointFile(MappedFile):
-    """A checkpoint file mapped whole and private (see the NOTE above)."""
+    """A checkpoint file mapped whole and private, with the integrity check of integrity.py."""
 
     readonly = True
 
@@ -160,21 +164,69 @@ class CheckpointFile(MappedFile):
         fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
         try:
             info = os.fstat(fd)
-            self._identity = (info.st_dev, info.st_ino, info.st_size, info.st_mtime_ns)
             span = max(PAGE, info.st_size)
             super().__init__(fd, span, mmap.MAP_PRIVATE)
         except OSError as exc:
             os.close(fd)
             raise _error(path, f"cannot map it: {exc.strerror}") from exc
         self.path = path
+        self.identity = (info.st_dev, info.st_ino)
+        self.loaded = FileStatus(info.st_size, info.st_mtime_ns, info.st_ctime_ns)
+        self._checked = self.loaded  # the status last verified
+        self._header = header_digest(fd)
+        self._prints: dict[int, tuple[int, bytes | None]] = {}  # offset -> nbytes, fingerprint
+        self._lost: dict[int, str] = {}  # offset -> why, as of ``_checked``
 
-    def intact(self) -> bool:
+    def remember(self, offset: int, nbytes: int) -> None:
+        """Record the fingerprint of the tensor at ``offset`` (at load: one to three page reads)."""
+        if offset in self._prints:
+            return
+        with reader(self.fd) as fd:
+            self._prints[offset] = (nbytes, fingerprint(fd, offset, nbytes))
+
+    def current(self, path: str) -> bool:
+        """Whether ``path`` still names this file and nothing of it was lost."""
         try:
-            info = os.fstat(self.fd)
+            info = os.stat(path)
         except OSError:
             return False
-        # (A file replaced under the same name is harmless: the mapping reads the old one.)
-        return (info.st_dev, info.st_ino, info.st_size, info.st_mtime_ns) == self._identity
+        return (info.st_dev, info.st_ino) == self.identity and not self.refresh()
+
+    def refresh(self) -> bool:
+        try:
+            now = status(self.fd)
+        except OSError as exc:
+            why = f"checkpoint {self.path!r} cannot be checked any more ({exc.strerror})"
+            self._lost = dict.fromkeys(self._prints, why)
+            self._checked = FileStatus(-1, -1, -1)
+            return True
+        if now != self._checked:  # touched, rewritten, truncated...: look at the bytes
+            self._lost = self._verify(now.size)
+            self._checked = now
+        return bool(self._lost)
+
+    def _verify(self, size: int) -> dict[int, str]:
+        lost: dict[int, str] = {}
+        with reader(self.fd) as fd:
+            header = "" if header_digest(fd) == self._header else " (its header changed too)"
+            for offset, (nbytes, expected) in self._prints.items():
+                if offset + nbytes > size:
+                    lost[offset] = (
+                        f"checkpoint {self.path!r} was truncated to {size} bytes: this "
+                        f"tensor's bytes {offset}..{offset + nbytes} lie past its end"
+                    )
+                elif expected is not None and fingerprint(fd, offset, nbytes) != expected:
+                    lost[offset] = (
+                        f"checkpoint {self.path!r} was overwritten{header}: this tensor's bytes "
+                        "differ from those ts.manage() loaded"
+                    )
+        return lost
+
+    def lost_reason(self, offset: int, nbytes: int) -> str | None:
+        reason = self._lost.get(offset)
+        if reason is None and offset not in self._prints and offset + nbytes > self._checked.size:
+            reason = f"checkpoint {self.path!r} was truncated to {self._checked.size} bytes"
+        return reason
 
 
 def describe(tensors: Iterable[StoredTensor]) -> str:

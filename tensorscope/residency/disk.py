@@ -35,18 +35,17 @@ import ctypes
 import errno
 import mmap
 import os
-import shutil
 import tempfile
 import weakref
 from bisect import bisect_left
-from collections.abc import Callable
 
 from tensorscope._units import format_bytes
 from tensorscope.errors import ResidencyError
 from tensorscope.residency.checkpoint_files import CheckpointFile
 from tensorscope.residency.mapping import PAGE, DiskRegion, MappedFile
+from tensorscope.residency.tempdirs import PrivateDir
 
-__all__ = ["Arena", "DiskTier", "remove_private_dirs"]
+__all__ = ["Arena", "DiskTier"]
 
 LARGE = 2 << 20  # regions this large start at 2 MiB offsets (large folios, 2 MiB mappings)
 ARENA_SPAN = 8 << 30  # virtual bytes mapped per arena (the file grows inside it)
@@ -66,11 +65,14 @@ class Arena(MappedFile):
         self._free: list[tuple[int, int]] = [(0, span - PAGE)]  # (offset, length), sorted
         self.high = 0  # end of the data area in the file
         self._canary = os.urandom(_CANARY_BYTES)
+        self.cut: int | None = None  # set once the file was found truncated (see refresh)
         self._grow(0)
 
     # --------------------------------------------------------------------------- allocation
     def carve(self, nbytes: int) -> tuple[int, int] | None:
         """Offset and length of a free range for ``nbytes``, or None if the span is full."""
+        if self.cut is not None:  # truncated behind our back: nothing new goes here
+            return None
         granule = LARGE if nbytes >= LARGE else PAGE
         length = max(PAGE, _round_up(nbytes, PAGE))
         for index, (start, size) in enumerate(self._free):
@@ -117,12 +119,30 @@ class Arena(MappedFile):
         self.high = end
 
     # ---------------------------------------------------------------------------- checks/io
-    def intact(self) -> bool:
-        """Whether the file still holds the canary after its data area (never truncated)."""
+    def refresh(self) -> bool:
+        """Whether the file lost bytes: its canary is gone (see the NOTE on truncation). Once
+        found, the cut is remembered: regions before it are intact (truncation leaves them
+        alone), those past it are lost for good, and no new region is carved here."""
+        if self.cut is not None:
+            return True
         try:
-            return os.pread(self.fd, _CANARY_BYTES, self.high) == self._canary
+            if os.pread(self.fd, _CANARY_BYTES, self.high) == self._canary:
+                return False
+            size = os.fstat(self.fd).st_size
         except OSError:
-            return False
+            size = 0
+        # Shorter than the data area: cut there. Longer (re-extended, which reads as zeros):
+        # where it was cut is unknown, so every region is lost.
+        self.cut = size if size < self.high + _CANARY_BYTES else 0
+        return True
+
+    def lost_reason(self, offset: int, nbytes: int) -> str | None:
+        if self.cut is None or offset + nbytes <= self.cut:
+            return None
+        return (
+            "its offload file was truncated (or truncated and re-extended) behind the "
+            "manager's back"
+        )
 
     def region(self, offset: int, length: int, nbytes: int) -> DiskRegion:
         return DiskRegion(self, offset, length, nbytes)
@@ -157,9 +177,12 @@ class DiskTier:
 
     def __init__(self, directory: str | None) -> None:
         self.private = directory is None
+        self._private: PrivateDir | None = None
         if directory is None:
-            self.directory = tempfile.mkdtemp(prefix="tensorscope-")
-            _PRIVATE_DIRS.add(self.directory)
+            # Named with the pid and locked: a later process can tell it is stale if this one
+            # is killed (see tempdirs.py's NOTE).
+            self._private = PrivateDir()
+            self.directory = self._private.path
         else:
             self.directory = directory
             try:
@@ -170,9 +193,14 @@ class DiskTier:
                     f"{exc.strerror}. Pass a directory you can write to, or offload_dir=None "
                     "for a private temporary one."
                 ) from exc
-        self._finalizer = weakref.finalize(self, _remove_private_dir, self.directory, self.private)
+        self._finalizer = (
+            weakref.finalize(self, PrivateDir.remove, self._private)
+            if self._private is not None
+            else None
+        )
         self.arenas: list[Arena] = []
-        self.checkpoints: dict[str, MappedFile] = {}  # path -> mapped checkpoint file
+        self.checkpoints: dict[str, CheckpointFile] = {}  # path -> mapped checkpoint file
+        self._retired: list[CheckpointFile] = []  # mapped before the path named a new file
         # The page cache cannot hold more than the machine's memory (see ``streams``).
         self.memory = physical_memory()
         # Regions whose storage died, kept for the next storage of the same size (see release).
@@ -321,7 +349,7 @@ class DiskTier:
     @property
     def descriptors(self) -> int:
         """Open file descriptors this tier holds."""
-        files = [*self.arenas, *self.checkpoints.values()]
+        files = [*self.arenas, *self.checkpoints.values(), *self._retired]
         return sum(1 for file in files if file.fd >= 0)
 
     def streams(self, resident_limit: int) -> bool:
@@ -340,15 +368,27 @@ class DiskTier:
         """
         if self.memory <= 0:  # unknown: leave the page cache to the kernel
             return False
-        total = sum(file.span for file in self.checkpoints.values() if file.live > 0)
+        files = [*self.checkpoints.values(), *self._retired]
+        total = sum(file.span for file in files if file.live > 0)
         return total > 0 and total + resident_limit > self.memory
 
-    def checkpoint_region(self, path: str, offset: int, nbytes: int) -> DiskRegion:
+    def checkpoint_region(
+        self, path: str, offset: int, nbytes: int, fingerprint: bool = True
+    ) -> DiskRegion:
         """A region of a checkpoint file, mapped once per file (its bytes are the tensor's;
-        never written)."""
+        never written). ``fingerprint``: record the tensor's fingerprint for the integrity
+        check (see integrity.py), for a region that stays in use.
+
+        A file mapped earlier is reused only if the path still names the same file, unchanged:
+        the caller read the offsets from the header the path names now. Otherwise the path is
+        mapped anew; the old mapping stays for the regions that use it."""
         file = self.checkpoints.get(path)
-        if file is None or file.fd < 0:
+        if file is None or file.fd < 0 or not file.current(path):
+            if file is not None:
+                self._retired.append(file)
             file = self.checkpoints[path] = CheckpointFile(path)
+        if fingerprint:
+            file.remember(offset, nbytes)
         file.live += 1
         return DiskRegion(file, offset, nbytes, nbytes)
 
@@ -363,10 +403,12 @@ class DiskTier:
         for arena in self.arenas:
             arena.close()
         self.arenas = [arena for arena in self.arenas if arena.fd >= 0]
-        for checkpoint in list(self.checkpoints.values()):
+        for checkpoint in [*self.checkpoints.values(), *self._retired]:
             checkpoint.close()
         self.checkpoints = {k: f for k, f in self.checkpoints.items() if f.fd >= 0}
-        self._finalizer()
+        self._retired = [f for f in self._retired if f.fd >= 0]
+        if self._finalizer is not None:
+            self._finalizer()
 
 
 def physical_memory() -> int:
@@ -375,21 +417,3 @@ def physical_memory() -> int:
         return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     except (ValueError, OSError, AttributeError):
         return 0
-
-
-# Private directories made by this process: removed at exit and on SIGTERM/SIGINT.
-_PRIVATE_DIRS: set[str] = set()
-
-
-def _remove_private_dir(
-    directory: str, private: bool, _rmtree: Callable[..., None] = shutil.rmtree
-) -> None:
-    if private:
-        _rmtree(directory, ignore_errors=True)
-        _PRIVATE_DIRS.discard(directory)
-
-
-def remove_private_dirs() -> None:
-    """Remove every private offload directory of this process (the signal handlers call it)."""
-    for directory in list(_PRIVATE_DIRS):
-        _remove_private_dir(directory, True)

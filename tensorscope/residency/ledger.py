@@ -55,6 +55,13 @@ class Ledger:
         self.account(placement.tier, placement.nbytes)
         self.track(placement)
 
+    def rename(self, placement: Placement, role: Hashable) -> None:
+        """Give ``placement`` a new role (a managed tensor's name, when a handle claims it)."""
+        if self.by_role.get(placement.role) is placement:
+            del self.by_role[placement.role]
+        placement.role = role
+        self.by_role[role] = placement
+
     def track(self, placement: Placement) -> None:
         """Keep the set of device-resident placements in step with ``placement.tier``."""
         if placement.tier == "device":

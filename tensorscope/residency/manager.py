@@ -34,7 +34,7 @@ import torch
 from tensorscope import _intercept
 from tensorscope._slot import set_residency_active
 from tensorscope._thread import ThreadState, thread_state
-from tensorscope._torch import cuda_stream, no_dispatch, tensor_over
+from tensorscope._torch import cuda_stream, storage_address
 from tensorscope._units import format_bytes
 from tensorscope.errors import (
     ArgumentTypeError,
@@ -45,10 +45,10 @@ from tensorscope.errors import (
 from tensorscope.graph.order import ModuleOrder
 from tensorscope.graph.record import Recorder
 from tensorscope.policies import Action, Flow, Policy
-from tensorscope.residency import config, room
-from tensorscope.residency.checkpoint_files import StoredTensor
+from tensorscope.residency import config, room, watch
 from tensorscope.residency.disk import DiskTier
 from tensorscope.residency.ledger import Ledger
+from tensorscope.residency.modules import ModuleSupport
 from tensorscope.residency.movers import Movers
 from tensorscope.residency.oppath import OpPath
 from tensorscope.residency.pace import Pace
@@ -62,7 +62,6 @@ from tensorscope.residency.tiers import (
     DeviceTier,
     HostTier,
     TierName,
-    release_free_heap,
 )
 
 __all__ = ["ResidencyManager"]
@@ -76,7 +75,7 @@ def _default_device() -> torch.device:
     return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
 
 
-class ResidencyManager:
+class ResidencyManager(ModuleSupport):
     """Budget, tiers and policy for managed tensors. Use the singleton ``ts.residency``.
 
     Example:
@@ -311,23 +310,33 @@ class ResidencyManager:
         self._threads.clear()
         set_residency_active(self, False)
 
-    def unregister(self, placement: Placement) -> None:
-        """Stop managing: the bytes go back to ordinary device memory."""
+    def unregister(self, placement: Placement, lost: str = "keep") -> str | None:
+        """Stop managing: the bytes go back to ordinary device memory. A placement whose bytes
+        are lost stays managed (every use raises ``ResidencyError``) and why is returned;
+        ``lost="poison"`` lets it go all the same, filled with NaN (see ``Movers.materialize``)."""
         with self._lock:
             if self.ledger.placements.get(placement.key) is not placement:
-                return
+                return None
             placement.wait()
             source = placement.tier
-            self.movers().materialize(placement)
+            reason = self.movers().materialize(placement, lost)
+            if reason is not None and lost == "keep":
+                return reason
             # It leaves the accounting from the tier it was on: ordinary memory is not managed.
             self._forget(placement, tier=source)
+            return reason
 
     def _forget(self, placement: Placement, tier: TierName | None = None) -> None:
         placement.wait()
-        if placement.restore is not None:  # a ts.manage()d tensor gets its class back
-            tensor, original = placement.restore[0](), placement.restore[1]
-            if tensor is not None:
+        for ref, original in placement.restore:  # a ts.manage()d tensor gets its class back
+            tensor = ref()
+            # ...unless it holds another managed storage now (its data was replaced: .half(),
+            # .data = ..., set_()): that placement gives the class back when it goes.
+            if tensor is not None and (
+                storage_address(tensor) == placement.key or self.ledger.find(tensor) is None
+            ):
                 tensor.__class__ = original
+        placement.restore = []
         region = self.ledger.forget(placement, tier)
         if region is not None and self._disk is not None:
             # Nothing uses its memory any more (the storage died, or has other memory now).
@@ -406,6 +415,7 @@ class ResidencyManager:
         with self._lock:
             self.recorder().boundary()
             self.iteration_end()
+        watch.audit()  # tensors a module gained that no hook saw (see watch.py)
 
     def iteration_end(self) -> None:
         self.order.restart()
@@ -447,11 +457,12 @@ class ResidencyManager:
             region.uncache()  # see the NOTE in DiskTier.streams
         self.release_heap()
 
-    def promote_placement(self, placement: Placement) -> None:
+    def promote_placement(self, placement: Placement, checked: bool = False) -> None:
         if placement.tier == "device":
             return
         movers = self.movers()
-        movers.check_readable(placement)
+        if not checked:
+            movers.check_readable(placement)
         source = placement.tier
         seconds = movers.promote(placement)
         self.ledger.moved(placement, source, seconds)
@@ -463,7 +474,8 @@ class ResidencyManager:
         """Account a placement as resident now; its bytes arrive in the background (pages
         mapped by the prefetch thread on a CPU device, a copy stream on CUDA)."""
         movers = self.movers()
-        movers.check_readable(placement)
+        if movers.damage(placement) is not None:
+            return  # lost bytes: the op that needs them raises, a prefetch must not
         source = placement.tier
         if self._device.type == "cuda":
             seconds = movers.promote(placement, background=True)
@@ -536,137 +548,6 @@ class ResidencyManager:
                     continue  # the policy's plan no longer fits: skip, the op will promote
                 self.prefetch(placement)
 
-    # ------------------------------------------------------------------------ ts.manage()
-    def manage_tensor(self, tensor: torch.Tensor, role: Hashable) -> Placement:
-        """Register a module's tensor for ``ts.manage()``: room is made first, so the
-        accounted peak stays within the budget from the start; a tensor larger than the whole
-        budget starts on the tier below."""
-        with self._lock:
-            budget = self._budget
-            if self.ledger.find(tensor) is None and budget is not None:
-                nbytes = tensor.untyped_storage().nbytes()
-                if nbytes <= budget:
-                    self.make_room(nbytes, "ts.manage()")
-            placement = self.register(tensor, role=role)
-            if isinstance(tensor, torch.nn.Parameter):  # buffers are used out of module order
-                self.order.add(placement.role, placement.nbytes)
-            if budget is not None and placement.nbytes > budget:
-                self.demote_placement(placement)
-            return placement
-
-    def settle(self, uids: set[int]) -> None:
-        """End of ``ts.manage()``: under a budget on a CPU device, the weights that stay
-        resident move into the disk tier's files too (still mapped), so all of their old heap
-        memory goes back to the OS now rather than during the first forward; then the files
-        are flushed (written back now, not while the first iterations run)."""
-        with self._lock:
-            self.make_room(0, "ts.manage()")
-            if self._budget is not None:
-                self.back_with_files(uids)
-            self.release_heap(threshold=0)
-        self.flush_disk()
-
-    def unmanage(self, uids: set[int]) -> None:
-        """Stop managing these placements and everything grouped with them (their grads and
-        optimizer state): plain memory again."""
-        with self._lock:
-            for placement in list(self.ledger.placements.values()):
-                if placement.uid in uids or placement.group in uids:
-                    self.unregister(placement)
-            self.sweep()
-
-    def place_stored(
-        self, stored: StoredTensor, dtype: torch.dtype, role: Hashable, parameter: bool = True
-    ) -> tuple[torch.Tensor, Placement]:
-        """A tensor holding a checkpoint's stored value, managed on the disk tier: its memory
-        is the checkpoint file itself when the dtypes agree (no copy), else an offload file
-        holding the value converted once (see checkpoint_files.py's NOTE). Parameters take part
-        in the first iteration's guess (``self.order``); buffers are used out of module order
-        (a position-id buffer first, though registered last)."""
-        with self._lock:
-            disk = self.disk
-            region = disk.checkpoint_region(stored.path, stored.offset, stored.nbytes)
-            if stored.dtype != dtype:
-                try:
-                    with no_dispatch():
-                        source = tensor_over(region.storage(), stored.dtype, stored.shape)
-                        converted = source.to(dtype).contiguous()
-                    region_converted = disk.store(converted.data_ptr(), converted.nbytes)
-                finally:
-                    disk.release(region, reusable=False)
-                del source, converted
-                region = region_converted
-                self.converted += 1
-            if self._device.type == "cuda":  # the region is the disk copy of device memory
-                self.make_room(region.nbytes, "ts.manage()")
-                tensor = torch.empty(stored.shape, dtype=dtype, device=self._device)
-                placement = Placement(tensor.untyped_storage(), role, 0)
-                placement.region = region
-                self.add(placement)
-                self.demote_placement(placement, "disk")
-            else:  # the region is the tensor's memory (no page touched yet)
-                tensor = tensor_over(region.storage(), dtype, stored.shape)
-                placement = Placement(tensor.untyped_storage(), role, 0)
-                placement.region = region
-                placement.tier = "disk"
-                self.add(placement)
-            if parameter:
-                self.order.add(placement.role, placement.nbytes)
-            self.attach_thread()
-            return tensor, placement
-
-    def relocate(self, placement: Placement) -> None:
-        """Copy on first write (see checkpoint_files.py's NOTE)."""
-        with self._lock:
-            self.movers().relocate(placement)
-
-    def add_handle(self, handle: Any) -> None:
-        self._handles.add(handle)
-
-    # ------------------------------------------------------------------ CPU file backing
-    def back_with_files(self, uids: set[int]) -> None:
-        """CPU device: move the heap memory of these device-resident placements into mapped
-        disk regions; a full disk leaves them where they are."""
-        if self._device.type != "cpu":
-            return
-        movers = self.movers()
-        for placement in list(self.ledger.resident.values()):
-            if placement.uid in uids:
-                try:
-                    movers.back_with_file(placement)
-                except ResidencyError:
-                    return  # no room on disk: they stay in heap memory, which works too
-
-    def flush_disk(self) -> None:
-        """Write dirty offload pages to disk now, so background writeback does not compete
-        with the next iterations (called once by ``ts.manage()``)."""
-        with self._lock:
-            if self._disk is not None:
-                self._disk.flush()
-
-    def release_heap(self, threshold: int = 64 << 20) -> None:
-        """Return heap memory freed by first demotions to the OS once enough has piled up."""
-        movers = self._movers
-        if movers is not None and movers.migrated_bytes >= threshold:
-            movers.migrated_bytes = 0
-            release_free_heap()
-
     # ------------------------------------------------------------------------------- misc
     def managed_count(self) -> int:
         return len(self.ledger)
-
-    def reset(self) -> None:
-        """Forget everything managed (data back in ordinary memory), statistics and traces;
-        ``ts.manage`` handles are removed. Configuration is kept."""
-        for handle in list(self._handles):
-            handle.remove()
-        with self._lock:
-            for placement in list(self.ledger.placements.values()):
-                self.unregister(placement)
-            self.sweep()
-            self.ledger = Ledger()
-            self._recorders.clear()
-            self.order.clear()
-            self.ops.clear_cache()
-            if self._threads:
-                self._detach_threads()

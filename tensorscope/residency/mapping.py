@@ -82,9 +82,19 @@ class MappedFile:
         self._buffer = memoryview((ctypes.c_char * span).from_address(self.address)).cast("B")
         self.live = 0  # regions handed out and not given back
 
-    def intact(self) -> bool:
-        """Whether the file may be read through the mapping (not truncated or replaced)."""
+    def refresh(self) -> bool:
+        """Check the file now (one system call on the fast path); whether some of its bytes
+        are lost (truncated or changed behind the manager's back)."""
         raise NotImplementedError
+
+    def lost_reason(self, offset: int, nbytes: int) -> str | None:
+        """Why the ``nbytes`` at ``offset`` cannot be read through the mapping, as of the last
+        ``refresh()``; None if they can."""
+        raise NotImplementedError
+
+    def damage(self, offset: int, nbytes: int) -> str | None:
+        """``refresh()``, then ``lost_reason()``."""
+        return self.lost_reason(offset, nbytes) if self.refresh() else None
 
     def storage(self, offset: int, nbytes: int) -> torch.UntypedStorage:
         """A storage whose memory is ``nbytes`` of the mapping at ``offset``."""
@@ -141,8 +151,13 @@ class DiskRegion:
             done += written
 
     def intact(self) -> bool:
-        """Whether the backing file is untouched (not truncated behind the manager's back)."""
-        return self.file.intact()
+        """Whether the region's bytes can be read (its file not truncated or changed behind
+        the manager's back where the region lies)."""
+        return self.file.damage(self.offset, self.nbytes) is None
+
+    def damage(self) -> str | None:
+        """Why the region's bytes are lost, or None if they are readable."""
+        return self.file.damage(self.offset, self.nbytes)
 
     def populate(self, write: bool) -> bool:
         """Map the region's pages into the process (read ahead from the page cache or disk).

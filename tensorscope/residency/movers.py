@@ -3,26 +3,48 @@
 from __future__ import annotations
 
 import time
-import warnings
 
 import torch
 
-from tensorscope._torch import cuda_event, new_storage, no_dispatch
-from tensorscope.errors import ResidencyError, ResidencyWarning
+from tensorscope._torch import cuda_event, new_storage, no_dispatch, tensor_over
+from tensorscope._units import format_bytes
+from tensorscope.errors import ResidencyError
 from tensorscope.residency.disk import DiskTier
 from tensorscope.residency.mapping import DiskRegion
 from tensorscope.residency.placement import Placement
 from tensorscope.residency.tiers import DeviceTier, HostTier, TierName, empty_storage, swap_in
 
-__all__ = ["Movers", "truncated_error"]
+__all__ = ["Movers", "describe", "lost_error", "lost_on_remove"]
 
 
-def truncated_error(placement: Placement) -> ResidencyError:
+def describe(placement: Placement) -> str:
+    """A managed tensor's name for messages: the parameter or buffer name ``ts.manage()`` gave
+    it, else its size."""
+    role = placement.role
+    if isinstance(role, tuple) and len(role) == 2 and isinstance(role[1], str):
+        return role[1]
+    return f"a {format_bytes(placement.nbytes)} tensor"
+
+
+def lost_error(placement: Placement, reason: str) -> ResidencyError:
     return ResidencyError(
-        f"tensorscope.residency: the offload file of a {placement.nbytes}-byte tensor was "
-        "truncated or overwritten behind the manager's back; its data cannot be read. Nothing "
-        "touched the mapping (that would have crashed the process). Remove the model's "
-        "management (handle.remove(): the lost bytes read as zeros) or reload it."
+        f"tensorscope.residency: the bytes of {describe(placement)} "
+        f"({format_bytes(placement.nbytes)}) cannot be read: {reason}. Nothing touched them "
+        "(that could have crashed the process); the other tensors work on. Restore the file "
+        "(the bytes ts.manage() loaded) and retry, or give the tensor a new value "
+        "(module.load_state_dict(...), or assign a new nn.Parameter)."
+    )
+
+
+def lost_on_remove(lost: list[tuple[Placement, str]]) -> ResidencyError:
+    shown = "; ".join(f"{describe(p)}: {why}" for p, why in lost[:10])
+    more = f" and {len(lost) - 10} more" if len(lost) > 10 else ""
+    return ResidencyError(
+        f"tensorscope.residency: remove() gave back every tensor but {len(lost)} whose bytes "
+        f"are lost ({shown}{more}). Those stay managed and raise ResidencyError when used; "
+        "nothing was replaced by zeros. Restore the file (the bytes ts.manage() loaded) and "
+        "call remove() again, or give them new values (module.load_state_dict(...), or "
+        "assign new nn.Parameters) and call remove() again."
     )
 
 
@@ -131,15 +153,63 @@ class Movers:
         swap_in(placement.storage, empty_storage(self.device.device))
 
     # ----------------------------------------------------------------------------- promote
-    def check_readable(self, placement: Placement) -> None:
-        """Raise before touching a placement whose file was truncated (see disk.py's NOTE)."""
+    def damage(self, placement: Placement) -> str | None:
+        """Why a placement's bytes cannot be read (its file truncated or changed behind the
+        manager's back where they lie), or None. On CUDA only the disk tier reads the file."""
         region = placement.region
         if region is None:
-            if placement.tier == "disk":
-                raise truncated_error(placement)
-            return
-        if not region.intact():
-            raise truncated_error(placement)
+            return "its data is gone" if placement.tier == "disk" else None
+        if not self.device.is_cpu and placement.tier != "disk":
+            return None
+        return region.damage()
+
+    def check_readable(self, placement: Placement) -> None:
+        """Raise before touching a placement whose bytes are lost (see mapping.py)."""
+        reason = self.damage(placement)
+        if reason is not None:
+            raise lost_error(placement, reason)
+
+    def lost(self, placements: list[Placement]) -> list[tuple[Placement, str]]:
+        """The placements among ``placements`` whose bytes are lost, with why: each file is
+        checked once (one system call on the fast path)."""
+        found: list[tuple[Placement, str]] = []
+        checked: dict[int, bool] = {}
+        for placement in placements:
+            region = placement.region
+            if region is None:
+                if placement.tier == "disk":
+                    found.append((placement, "its data is gone"))
+                continue
+            if not self.device.is_cpu and placement.tier != "disk":
+                continue
+            file = region.file
+            bad = checked.get(id(file))
+            if bad is None:
+                bad = checked[id(file)] = file.refresh()
+            if bad:
+                reason = file.lost_reason(region.offset, region.nbytes)
+                if reason is not None:
+                    found.append((placement, reason))
+        return found
+
+    def replace_lost(self, placement: Placement) -> None:
+        """Give a placement whose bytes are lost new, writable memory on the device (an op is
+        about to overwrite all of it: ``copy_``, ``fill_``...); the old region is let go."""
+        with no_dispatch():
+            old = placement.region
+            if self.device.is_cpu:
+                region = self.disk.allocate(placement.nbytes)  # raises if the disk is full
+                swap_in(placement.storage, region.storage())
+                region.populate(write=True)
+                placement.region = region
+            else:
+                swap_in(placement.storage, self.device.allocate(placement.nbytes))
+                placement.region = None
+                placement.host = None
+            if old is not None:
+                self.disk.release(old, reusable=False)
+            placement.tier = "device"
+            placement.written = True
 
     def promote(self, placement: Placement, background: bool = False) -> float:
         """Bring the bytes to the device (``check_readable`` first: this must not fail)."""
@@ -155,7 +225,7 @@ class Movers:
             region = placement.region
             assert region is not None  # a CPU placement off the device always has a region
             if not region.populate(write=placement.written):
-                raise truncated_error(placement)
+                raise lost_error(placement, region.damage() or "the kernel refused to map it")
         else:
             if placement.tier == "host" and placement.host is not None:
                 source = placement.host
@@ -180,30 +250,33 @@ class Movers:
         placement.tier = "device"
         return time.perf_counter() - start
 
-    def materialize(self, placement: Placement) -> None:
+    def materialize(self, placement: Placement, lost: str = "keep") -> str | None:
         """Give the storage ordinary device memory again (used when a tensor stops being
-        managed), so nothing keeps pointing into an offload file."""
+        managed), so nothing keeps pointing into an offload file. Returns why it could not,
+        for a placement whose bytes are lost: then nothing changed (``lost="keep"``), or, with
+        ``lost="poison"`` (``ts.residency.reset()``), its memory is ordinary memory filled
+        with 0xFF bytes (NaN in every float dtype, -1 in signed integers), never zeros."""
         with no_dispatch():
-            self._materialize(placement)
+            return self._materialize(placement, lost)
 
-    def _materialize(self, placement: Placement) -> None:
-        if self.device.is_cpu:
+    def _materialize(self, placement: Placement, lost: str) -> str | None:
+        reason = self.damage(placement)
+        if reason is not None and lost == "keep":
+            return reason
+        if self.device.is_cpu or reason is not None:
             region = placement.region
-            if region is not None:
-                if region.intact():
-                    fresh = new_storage(placement.nbytes)
+            if region is not None or reason is not None:
+                fresh = new_storage(placement.nbytes, self.device.device)
+                if reason is None:
                     fresh.copy_(placement.storage)
-                else:  # the file was truncated behind our back: the bytes are gone
-                    fresh = torch.zeros(placement.nbytes, dtype=torch.uint8).untyped_storage()
-                    warnings.warn(
-                        f"tensorscope.residency: the offload file of a {placement.nbytes}-byte "
-                        "tensor was truncated; its data is lost and reads as zeros now.",
-                        ResidencyWarning,
-                        stacklevel=4,
-                    )
+                else:
+                    tensor_over(fresh, torch.uint8, (placement.nbytes,)).fill_(0xFF)
                 swap_in(placement.storage, fresh)
-                self.disk.release(region, reusable=False)
+                if region is not None:
+                    self.disk.release(region, reusable=False)
                 placement.region = None
+                placement.host = None
         else:
             self.promote(placement)
         placement.tier = "device"
+        return reason

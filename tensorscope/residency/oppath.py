@@ -10,8 +10,9 @@ that fit (``split.py``).
 
 from __future__ import annotations
 
+import contextlib
 import time
-from collections.abc import Hashable, Iterable
+from collections.abc import Hashable
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -21,7 +22,9 @@ from tensorscope._torch import no_dispatch, storage_address
 from tensorscope._units import format_bytes
 from tensorscope.errors import OutOfBudgetError
 from tensorscope.policies import OpView
-from tensorscope.residency import room, split
+from tensorscope.residency import room, split, watch
+from tensorscope.residency.estimate import Estimates, call, result_sizes, tensors, to_meta
+from tensorscope.residency.movers import lost_error
 from tensorscope.residency.placement import Placement
 from tensorscope.residency.room import Blocked
 
@@ -32,85 +35,41 @@ __all__ = ["OpPath"]
 
 _SWEEP_EVERY = 64  # ops between sweeps of placements nothing else holds any more
 _WAIT_S = 0.05  # re-check for room this often while other threads' ops hold it
-_META_CACHE_LIMIT = 4096  # op signatures whose result sizes are remembered
-_FIRST_RUN_SLACK = 512  # bytes beyond the meta estimate until a run taught the real size
 
 
-def _tensors(args: Iterable[Any]) -> Iterable[torch.Tensor]:
-    for arg in args:
-        if isinstance(arg, torch.Tensor):
-            yield arg
-        elif isinstance(arg, (list, tuple)):
-            for item in arg:
-                if isinstance(item, torch.Tensor):
-                    yield item
+_aten = torch.ops.aten
+_CAT = _aten.cat.default
+# ``t.set_(source)``: ``t`` takes another storage (its own is left to whoever else holds it).
+_SETS = frozenset(
+    getattr(_aten.set_, name)
+    for name in _aten.set_.overloads()  # type: ignore[no-untyped-call]
+)
+# In-place ops whose result does not depend on the destination's old bytes.
+_OVERWRITES = frozenset(
+    {
+        _aten.copy_.default,
+        _aten.fill_.Scalar,
+        _aten.fill_.Tensor,
+        _aten.zero_.default,
+        _aten.normal_.default,
+        _aten.uniform_.default,
+        *_SETS,
+    }
+)
 
 
-def _call(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any] | None) -> Any:
-    return func._op(*args, **kwargs) if kwargs else func._op(*args)
-
-
-class _Uncacheable(Exception):
-    """An argument that cannot be part of a cache key (the estimate is then not cached)."""
-
-
-def _signature(value: Any) -> Hashable:
-    """What decides an op's result sizes: tensor metadata and non-float arguments.
-
-    Floats (a learning rate, a step size) never decide shapes and change every step: keeping
-    their values would grow the cache without bound.
-    """
-    if isinstance(value, torch.Tensor):
-        return ("T", tuple(value.shape), value.stride(), value.dtype, value.device.type)
-    if isinstance(value, float):
-        return float
-    if isinstance(value, (list, tuple)):
-        return tuple(_signature(v) for v in value)
-    if isinstance(value, dict):
-        return tuple((k, _signature(v)) for k, v in value.items())
-    try:
-        hash(value)
-    except TypeError:
-        raise _Uncacheable from None
-    return value  # type: ignore[no-any-return]
-
-
-_META = torch.device("meta")
-
-
-def _to_meta(value: Any) -> Any:
-    """The op's arguments on the meta device (a ``device=`` argument too: ``_to_copy``)."""
-    if isinstance(value, torch.Tensor):
-        return torch.empty_strided(
-            tuple(value.shape), value.stride(), dtype=value.dtype, device="meta"
-        )
-    if isinstance(value, torch.device):
-        return _META
-    if isinstance(value, (list, tuple)):
-        return type(value)(_to_meta(v) for v in value)
-    return value
-
-
-def _result_sizes(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[int] | None:
-    """Bytes of each fresh result tensor of ``func`` (a meta run); None without a meta kernel."""
-    try:
-        meta_args = _to_meta(args)
-        meta_kwargs = {k: _to_meta(v) for k, v in kwargs.items()}
-        inputs = {storage_address(t) for t in _tensors((*meta_args, *meta_kwargs.values()))}
-        with no_dispatch(), torch.no_grad():
-            out = _call(func, meta_args, meta_kwargs)
-    except Exception:  # no meta kernel: accounted after the op instead
+def _overwritten(func: Any, args: tuple[Any, ...]) -> int | None:
+    """The storage an op overwrites whole without reading it (``copy_`` into a whole tensor,
+    ``fill_``...): its bytes may be lost (``Movers.replace_lost``). None for any other op."""
+    if func not in _OVERWRITES or not args or not isinstance(args[0], torch.Tensor):
         return None
-    flat = out if isinstance(out, (list, tuple)) else (out,)
-    sizes = []
-    for item in flat:
-        group = item if isinstance(item, (list, tuple)) else (item,)
-        for tensor in group:
-            if isinstance(tensor, torch.Tensor) and storage_address(tensor) not in inputs:
-                sizes.append(tensor.untyped_storage().nbytes())
-            else:
-                sizes.append(0)
-    return sizes
+    dest = args[0]
+    if dest.layout is not torch.strided or dest.device.type == "meta":
+        return None
+    whole = dest.numel() * dest.element_size() == dest.untyped_storage().nbytes()
+    if not whole or dest.storage_offset() != 0 or not dest.is_contiguous():
+        return None
+    return storage_address(dest)
 
 
 class OpPath:
@@ -118,17 +77,17 @@ class OpPath:
 
     def __init__(self, manager: ResidencyManager) -> None:
         self.manager = manager
-        self._meta_cache: dict[Hashable, tuple[int, bool]] = {}  # bytes, learned from a run
+        self.estimates = Estimates()  # result sizes per op signature
 
     def clear_cache(self) -> None:
-        self._meta_cache.clear()
+        self.estimates.clear()
 
     def operands(self, args: tuple[Any, ...], kwargs: dict[str, Any] | None) -> list[Placement]:
         """The distinct placements of the managed tensors among an op's arguments."""
         found: list[Placement] = []
         placements = self.manager.ledger.placements
         for source in (args, kwargs.values()) if kwargs else (args,):
-            for tensor in _tensors(source):
+            for tensor in tensors(source):
                 if tensor.layout is not torch.strided or tensor.device.type == "meta":
                     continue
                 placement = placements.get(storage_address(tensor))
@@ -146,8 +105,8 @@ class OpPath:
         results_due: bool,
     ) -> Any:
         operands = self.operands(args, kwargs)
-        if not operands:
-            return _call(func, args, kwargs)
+        if not operands and (kind != GRAD_CANDIDATE or not self._grad_of_managed()):
+            return call(func, args, kwargs)
         manager = self.manager
         group = 0
         manage_results = False
@@ -160,26 +119,39 @@ class OpPath:
             else:
                 manage_results = results_due
         estimate, slack, signature = (
-            self.estimate_results(func, args, kwargs or {}) if manage_results else (0, 0, None)
+            self.estimates.estimate(func, args, kwargs or {}) if manage_results else (0, 0, None)
         )
         budget = manager.budget_bytes
         if budget is not None and sum(p.nbytes for p in operands) + estimate > budget:
+            if func is _CAT and not manage_results:
+                return self._cat_in_pieces(func, kind, args, kwargs or {}, budget)
             calls = self._split(func, args, kwargs or {}, budget, manage_results)
             if calls is not None:
                 return split.join_results(
                     [self.run(func, kind, a, k, results_due) for a, k in calls]
                 )
-        estimate = self._before(func, operands, estimate, slack, kind == MUTATING)
+        mutating = kind == MUTATING
+        overwritten = _overwritten(func, args) if mutating else None
+        replacing = watch.before_data_change(args[0]) if func in _SETS else None
+        estimate = self._before(func, operands, estimate, slack, mutating, overwritten)
         try:
-            out = _call(func, args, kwargs)
+            out = call(func, args, kwargs)
         except BaseException:
             self._abort(operands, estimate)
             raise
         self._after(func, operands, (estimate, signature), out, manage_results, kind, group)
+        if replacing is not None:  # parametrize's original.set_(new): see watch.py
+            watch.data_replaced(args[0], replacing)
         return out
 
     def _before(
-        self, func: Any, operands: list[Placement], estimate: int, slack: int, mutating: bool
+        self,
+        func: Any,
+        operands: list[Placement],
+        estimate: int,
+        slack: int,
+        mutating: bool,
+        overwritten: int | None = None,
     ) -> int:
         """Make the op ready to run; returns the bytes reserved for its results."""
         manager = self.manager
@@ -194,7 +166,7 @@ class OpPath:
             budget = manager.budget_bytes
             if budget is not None:  # never refuse an op for the slack alone
                 estimate -= slack - max(0, min(slack, budget - need))
-            while not self._make_resident(operands, estimate, mutating, name):
+            while not self._make_resident(operands, estimate, mutating, name, overwritten):
                 manager._room.wait(_WAIT_S)  # other threads' ops hold the room: wait for one
             manager.ledger.reserved += estimate
             manager.in_flight += 1
@@ -213,7 +185,12 @@ class OpPath:
         return estimate
 
     def _make_resident(
-        self, operands: list[Placement], estimate: int, mutating: bool, name: str
+        self,
+        operands: list[Placement],
+        estimate: int,
+        mutating: bool,
+        name: str,
+        overwritten: int | None = None,
     ) -> bool:
         """Pin the operands and make them resident, with room for the results; False (and
         nothing pinned) when only other threads' ops in flight can free the room."""
@@ -222,18 +199,19 @@ class OpPath:
             placement.pins += 1
         try:
             movers = manager.movers()
-            files: dict[int, Placement] = {}
-            for placement in operands:
-                region = placement.region
-                if region is not None:
-                    files.setdefault(id(region.file), placement)
-            for placement in files.values():
-                movers.check_readable(placement)
-            missing = [p for p in operands if p.tier != "device"]
-            needed = sum(p.nbytes for p in missing) + estimate
+            renewed: list[Placement] = []
+            for placement, reason in movers.lost(operands):
+                if placement.key != overwritten:
+                    raise lost_error(placement, reason)
+                renewed.append(placement)  # lost, but the op overwrites all of it
+            missing = [p for p in operands if p.tier != "device" or p in renewed]
+            needed = sum(p.nbytes for p in missing if p.tier != "device") + estimate
             manager.make_room(needed, f"op {name}", holding_pins=True)
             for placement in missing:
-                manager.promote_placement(placement)
+                if placement in renewed:
+                    manager.replace_lost(placement)
+                else:
+                    manager.promote_placement(placement, checked=True)
             if mutating:  # copy on first write: a checkpoint file is never modified
                 for placement in operands:
                     if placement.region is not None and placement.region.readonly:
@@ -282,7 +260,7 @@ class OpPath:
             results: list[Placement] = []
             if manage_results:
                 results, made = self._register_results(out, operands, group)
-                self._learn(signature, made)
+                self.estimates.learn(signature, made)
             for placement in operands:  # the op is done with them
                 placement.pins -= 1
             manager._room.notify_all()
@@ -332,13 +310,14 @@ class OpPath:
             group = operands[0].group or operands[0].uid
         position = manager.recorder().position
         results: list[Placement] = []
-        for index, tensor in enumerate(_tensors(out if isinstance(out, (list, tuple)) else (out,))):
+        for index, tensor in enumerate(tensors(out if isinstance(out, (list, tuple)) else (out,))):
             if tensor.layout is not torch.strided or tensor.numel() == 0:
                 continue
             found = ledger.placements.get(storage_address(tensor))
             if found is None:
                 placement = Placement(tensor.untyped_storage(), ("new", position, index), group)
                 placement.last_use = manager.clock
+                self._fit(placement)
                 manager.add(placement)
                 made += placement.nbytes
             else:
@@ -349,40 +328,51 @@ class OpPath:
                 results.append(placement)
         return results, made
 
-    # -------------------------------------------------------------------------- estimates
-    def estimate_results(
-        self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
-    ) -> tuple[int, int, Hashable | None]:
-        """Bytes of fresh results ``func`` will allocate (slack included), the slack, and the
-        op's signature.
-
-        # NOTE [result sizes]
-        # A meta run gives the sizes; some CPU kernels allocate more than their meta kernel
-        # (``mse_loss``'s 0-d result has a 128-byte storage, its meta one 4 bytes). So the bytes
-        # actually made are learned per signature after each run (``_learn``), and until then
-        # the estimate carries a little slack: the budget stays a hard limit.
-        """
-        try:
-            key: Hashable = (func, _signature(args), _signature(kwargs))
-        except _Uncacheable:
-            nbytes = sum(_result_sizes(func, args, kwargs) or ())
-            return nbytes + _FIRST_RUN_SLACK, _FIRST_RUN_SLACK, None
-        cached = self._meta_cache.get(key)
-        if cached is None:
-            cached = (sum(_result_sizes(func, args, kwargs) or ()), False)
-            if len(self._meta_cache) >= _META_CACHE_LIMIT:
-                self._meta_cache.clear()  # shapes changed a lot: start afresh
-            self._meta_cache[key] = cached
-        nbytes, learned = cached
-        slack = 0 if learned else _FIRST_RUN_SLACK
-        return nbytes + slack, slack, key
-
-    def _learn(self, signature: Hashable | None, made: int) -> None:
-        if signature is None:
+    def _fit(self, placement: Placement) -> None:
+        """Room for a result the estimate did not cover (a ``.grad`` stolen from an unmanaged
+        gradient is an alias: no fresh bytes): demote others, or else it starts on the tier
+        below (as ``ts.manage()`` does with a tensor larger than the budget)."""
+        manager = self.manager
+        budget = manager.budget_bytes
+        if budget is None or manager.ledger.device_total + placement.nbytes <= budget:
             return
-        cached = self._meta_cache.get(signature)
-        if cached is not None:
-            self._meta_cache[signature] = (max(cached[0], made), True)
+        with contextlib.suppress(Blocked, OutOfBudgetError):
+            manager.make_room(placement.nbytes, "a result", holding_pins=True)
+        if manager.ledger.device_total + placement.nbytes > budget:
+            manager.movers().demote(placement, manager.tiers[1])
+
+    # -------------------------------------------------------------------------- estimates
+    def _grad_of_managed(self) -> bool:
+        """Whether autograd is making the ``.grad`` of a managed tensor right now: the
+        gradient is managed even when what it is made from is not (a plain input's backward,
+        DDP's bucket)."""
+        leaf = accumulate_grad_leaf()
+        return leaf is not None and self.manager.ledger.find(leaf) is not None
+
+    def _cat_in_pieces(
+        self,
+        func: Any,
+        kind: int,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        budget: int,
+    ) -> torch.Tensor:
+        """``torch.cat`` of managed tensors larger than the budget, into an unmanaged result
+        (see split.py's NOTE on flattening for communication)."""
+        parts, dim = split.cat_arguments(args, kwargs)
+        placements = self.manager.ledger.placements
+        sizes = []
+        for tensor in parts:
+            placement = placements.get(storage_address(tensor))
+            sizes.append(placement.nbytes if placement is not None else 0)
+            self.manager.check_fits(sizes[-1], f"op {func} (one of its tensors)")
+        with no_dispatch():
+            meta = call(func, to_meta((parts, dim)), None)
+
+        def run(group: list[torch.Tensor]) -> torch.Tensor:
+            return self.run(func, kind, (group, dim), None, False)  # type: ignore[no-any-return]
+
+        return split.cat_in_pieces(parts, dim, sizes, budget, meta, run)
 
     def _split(
         self,
@@ -395,7 +385,7 @@ class OpPath:
         """Calls of a multi-tensor op on index groups that fit the budget (None: not one)."""
         if not split.is_multi_tensor(func):
             return None
-        sizes = _result_sizes(func, args, kwargs) if manage_results else None
+        sizes = result_sizes(func, args, kwargs) if manage_results else None
         listed: set[int] = set()
 
         def index_bytes(index: int) -> int:

@@ -34,6 +34,7 @@ class Placement:
         "key",
         "last_use",
         "nbytes",
+        "owner",
         "pending",
         "pins",
         "region",
@@ -60,8 +61,10 @@ class Placement:
         self.pending: threading.Event | torch.cuda.Event | None = None
         self.written = False
         self.pins = 0  # ops in flight (on any thread) that use it: it must stay on the device
-        # A managed parameter/buffer and its class before ts.manage(), restored when unmanaged.
-        self.restore: tuple[weakref.ref[torch.Tensor], type[torch.Tensor]] | None = None
+        # The objects of a managed parameter/buffer (the module's, and aliases made by
+        # ``nn.Parameter(p)``) and their classes before ts.manage(), restored when unmanaged.
+        self.restore: list[tuple[weakref.ref[torch.Tensor], type[torch.Tensor]]] = []
+        self.owner: weakref.ref[object] | None = None  # the ts.manage() handle, if any
 
     def alive_elsewhere(self) -> bool:
         """Whether anything but this placement still holds the storage."""

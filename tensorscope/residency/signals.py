@@ -15,7 +15,7 @@ import signal
 import threading
 from types import FrameType
 
-from tensorscope.residency.disk import remove_private_dirs
+from tensorscope.residency.tempdirs import remove_private_dirs
 
 __all__ = ["watch_private_dirs"]
 

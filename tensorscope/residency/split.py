@@ -1,11 +1,19 @@
-"""Splitting multi-tensor ops (``_foreach_*``, ``_fused_*``, ``_amp_foreach_*``) into groups
-that fit the budget.
+"""Splitting multi-tensor ops (``_foreach_*``, ``_fused_*``, ``_amp_foreach_*``, and
+``torch.cat`` into an unmanaged result) into groups that fit the budget.
 
 ``clip_grad_norm_``, ``AdamW(foreach=True)`` and ``AdamW(fused=True)`` hand one op every
 parameter at once; under a budget smaller than the parameters that op could never run. Each
 index of their tensor lists is independent of the others, so the manager runs the op on
 consecutive index ranges whose operands and results fit, and joins the results: the numbers
 are exactly those of one call.
+
+# NOTE [flattening for communication]
+# ``DistributedDataParallel`` broadcasts every parameter at construction, and its buffers
+# before each forward, by flattening them into one tensor per bucket (250 MiB): ``torch.cat``
+# of all of them. Outside a scope that result is the communication buffer, not a managed
+# tensor: only the operands must be resident, each only while it is copied. So the result is
+# made whole, and its operands are concatenated in groups that fit and copied into place
+# (``cat_in_pieces``).
 """
 
 from __future__ import annotations
@@ -15,7 +23,17 @@ from typing import Any
 
 import torch
 
-__all__ = ["index_count", "is_multi_tensor", "join_results", "plan_chunks", "slice_call"]
+from tensorscope._torch import no_dispatch
+
+__all__ = [
+    "cat_arguments",
+    "cat_in_pieces",
+    "index_count",
+    "is_multi_tensor",
+    "join_results",
+    "plan_chunks",
+    "slice_call",
+]
 
 _LIST_TYPES = ("List[Tensor]", "List[Optional[Tensor]]", "List[number]", "List[float]")
 _splittable: dict[Any, tuple[int, ...] | None] = {}
@@ -123,3 +141,43 @@ def join_results(parts: Sequence[Any]) -> Any:
     if isinstance(first, tuple):
         return tuple(join_results([part[i] for part in parts]) for i in range(len(first)))
     return first
+
+
+def cat_arguments(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[list[torch.Tensor], int]:
+    """The tensors and the dimension of a ``torch.cat`` call."""
+    tensors = list(kwargs.get("tensors", args[0] if args else []))
+    dim = int(kwargs.get("dim", args[1] if len(args) > 1 else 0))
+    return tensors, dim
+
+
+def cat_in_pieces(
+    tensors: list[torch.Tensor],
+    dim: int,
+    sizes: list[int],
+    budget: int,
+    meta: torch.Tensor,
+    run: Callable[[list[torch.Tensor]], torch.Tensor],
+) -> torch.Tensor:
+    """``torch.cat(tensors, dim)`` as consecutive groups whose managed bytes (``sizes``) fit
+    ``budget``, each run by ``run`` and copied into a result shaped like ``meta`` (see the
+    NOTE)."""
+    groups: list[list[torch.Tensor]] = [[]]
+    total = 0
+    for tensor, nbytes in zip(tensors, sizes, strict=True):
+        if groups[-1] and total + nbytes > budget:
+            groups.append([])
+            total = 0
+        groups[-1].append(tensor)
+        total += nbytes
+    with no_dispatch():
+        out = torch.empty(meta.shape, dtype=meta.dtype, device=tensors[0].device)
+    offset = 0
+    for group in groups:
+        part = run(group)
+        if part.numel() == 0:
+            continue
+        length = part.shape[dim]
+        with no_dispatch():
+            out.narrow(dim, offset, length).copy_(part)
+        offset += length
+    return out

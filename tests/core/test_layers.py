@@ -34,7 +34,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("residency", "empty_init"),  # the residency manager package; meta-device construction
     ("loading",),  # ts.manage(checkpoint=...)
     ("manage",),  # ts.manage()
-    ("checkpoint", "memory"),  # rotor; RSS sampling
+    ("checkpoint", "memory", "plan"),  # rotor; RSS sampling; the memory plan of a step
     ("demo",),  # `tensorscope demo`
     ("cli", "__init__"),  # the command line and the public face
 ]

@@ -30,6 +30,12 @@ PURE = [
     "tensorscope.graph.analysis",
     "tensorscope.graph.order",
     "tensorscope.graph.record",
+    "tensorscope.plan.data",
+    "tensorscope.plan.analysis",
+    "tensorscope.plan.model",
+    "tensorscope.plan.whatif",
+    "tensorscope.plan.summary",
+    "tensorscope.plan.snapshot",
 ]
 
 

@@ -214,7 +214,54 @@ def test_nothing_accumulates_across_managed_training_steps() -> None:
             loss.backward()
             opt.step()
         seen.append(
-            (ts.residency.managed_count(), len(ts.residency.ops._meta_cache), ts.stats().live)
+            (ts.residency.managed_count(), len(ts.residency.ops.estimates.cache), ts.stats().live)
         )
     assert len(set(seen[1:])) == 1, seen  # placements, cached op signatures, live refs
     handle.remove()
+
+
+@pytest.mark.parametrize("policy", ["flow", "genoa"])
+def test_grads_made_outside_scopes_are_managed_within_the_budget(policy: str) -> None:
+    """A ``.grad`` autograd makes from unmanaged tensors (a backward outside any scope, with a
+    plain input) is the parameter's gradient all the same: managed, counted, under the budget."""
+    torch.manual_seed(0)
+    reference = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 64), nn.Linear(64, 8))
+    model = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 64), nn.Linear(64, 8))
+    model.load_state_dict(reference.state_dict())
+    budget = 40 * 1024  # weights 34 KiB, with their gradients 68 KiB
+    ts.residency.configure(policy=policy, budget=budget)
+    handle = ts.manage(model)
+    for net in (model, reference):
+        optimizer = torch.optim.SGD(net.parameters(), lr=0.1)
+        for step in range(3):
+            x = torch.randn(4, 64, generator=torch.Generator().manual_seed(step))
+            optimizer.zero_grad()
+            net(x).square().mean().backward()  # no scope
+            optimizer.step()
+    grads = [p.grad for p in model.parameters()]
+    assert all(g is not None and ts.residency.placement_of(g) is not None for g in grads)
+    report = ts.residency.report()
+    assert report.peak_bytes <= budget and report.tiers["disk"].peak_bytes > 0
+    for ours, theirs in zip(model.parameters(), reference.parameters(), strict=True):
+        assert torch.equal(ours, theirs) and torch.equal(ours.grad, theirs.grad)
+    handle.remove()
+
+
+def test_a_cat_of_managed_tensors_larger_than_the_budget_runs_in_pieces() -> None:
+    """Outside a scope the result of ``torch.cat`` is not managed, so only its operands must
+    fit, one group at a time (DDP flattens every parameter so to broadcast them)."""
+    torch.manual_seed(0)
+    tensors = [ts.ref(torch.randn(1024)) for _ in range(6)]  # 4 KiB each, 24 KiB in all
+    expected = torch.cat([t.detach().clone() for t in tensors])
+    ts.residency.configure(policy="flow", budget=10 * 1024)
+    for t in tensors:
+        t.demote()
+    ts.residency.report(reset=True)
+    assert torch.equal(torch.cat(tensors), expected)
+    assert torch.equal(
+        torch.cat([t.view(32, 32) for t in tensors], dim=1),
+        expected.view(6, 32, 32).permute(1, 0, 2).reshape(32, 192),
+    )
+    assert ts.residency.report().peak_bytes <= 10 * 1024
+    with ts.scope(), pytest.raises(ts.OutOfBudgetError, match="cat"):
+        torch.cat(tensors)  # in a scope the result is managed: it must fit with its operands

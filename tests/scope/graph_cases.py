@@ -273,6 +273,92 @@ def transformers_scoped_step_and_generate() -> dict[str, Any]:
     }
 
 
+class _Scale(torch.autograd.Function):
+    """Keeps a tensor as a ``ctx`` attribute, as many user Functions do."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        ctx.scale = scale
+        return x * scale
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return grad * ctx.scale, None
+
+
+@case
+def graph_held_through_python_objects() -> dict[str, Any]:
+    """A custom Function's ``ctx`` attributes and ``torch.utils.checkpoint``'s inputs
+    (reentrant: a ``partial`` whose keywords hold tensors; non-reentrant: the closure that
+    recomputes) are read in backward: a moved loss keeps them."""
+    from torch.utils.checkpoint import checkpoint
+
+    w = torch.randn(4, 4, requires_grad=True)
+    x0 = torch.randn(3, 4)
+
+    def block(h: torch.Tensor, *, pair: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        return torch.tanh(h @ w) * pair[0] + pair[1]
+
+    def forward(kind: str) -> torch.Tensor:
+        x = x0.clone().requires_grad_()  # the reentrant checkpoint differentiates its inputs
+        pair = (torch.full((4,), 2.0), torch.ones(4))
+        if kind == "ctx":
+            return _Scale.apply(x @ w, pair[0]).sum()
+        from functools import partial
+
+        return checkpoint(partial(block, pair=pair), x, use_reentrant=kind == "reentrant").sum()
+
+    results: dict[str, Any] = {}
+    for kind in ("ctx", "reentrant", "non-reentrant"):
+        forward(kind).backward()
+        assert w.grad is not None
+        expected = _numbers(w.grad)
+        w.grad = None
+        with ts.scope() as s:
+            loss = s.move_to_outer(forward(kind))
+        loss.backward()
+        assert w.grad is not None
+        results[kind] = {"grad": _numbers(w.grad), "plain": expected}
+        w.grad = None
+    return results
+
+
+@case
+def llama_checkpointing_through_a_scoped_helper() -> dict[str, Any]:
+    """HF Llama with gradient checkpointing (``position_embeddings=(cos, sin)`` reach every
+    checkpointed layer as a keyword) trained through a ``@ts.scope()`` loss helper."""
+    import transformers
+
+    transformers.logging.set_verbosity_error()
+    results: dict[str, Any] = {}
+    ids = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(3))
+    for reentrant in (True, False):
+        grads = []
+        for scoped in (False, True):
+            torch.manual_seed(0)
+            config = transformers.LlamaConfig(
+                vocab_size=64,
+                hidden_size=32,
+                intermediate_size=64,
+                num_hidden_layers=2,
+                num_attention_heads=4,
+                num_key_value_heads=2,
+            )
+            model = transformers.LlamaForCausalLM(config).train()
+            model.gradient_checkpointing_enable({"use_reentrant": reentrant})
+
+            def compute_loss(m: nn.Module = model) -> torch.Tensor:
+                return m(input_ids=ids, labels=ids).loss
+
+            (ts.scope()(compute_loss) if scoped else compute_loss)().backward()
+            grads.append(sum(float(p.grad.abs().sum()) for p in model.parameters()))
+        results[f"reentrant={reentrant}"] = {
+            "plain": round(grads[0], 4),
+            "scoped": round(grads[1], 4),
+        }
+    return results
+
+
 def run_all() -> dict[str, Any]:
     results: dict[str, Any] = {}
     for name, function in CASES.items():

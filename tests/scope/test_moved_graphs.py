@@ -75,6 +75,16 @@ def test_a_transformers_step_through_a_scoped_helper_leaves_nothing_alive() -> N
     assert len(result["tokens"][0]) == 8
 
 
+def test_graphs_keep_what_python_objects_of_theirs_hold() -> None:
+    for kind, result in CASES["graph_held_through_python_objects"]().items():
+        assert result["grad"] == result["plain"], kind
+
+
+def test_llama_gradient_checkpointing_through_a_scoped_helper() -> None:
+    for kind, result in CASES["llama_checkpointing_through_a_scoped_helper"]().items():
+        assert result["scoped"] == result["plain"] > 0, kind
+
+
 def _run_cases(engine: str) -> dict[str, object]:
     env = dict(os.environ, TENSORSCOPE_ENGINE=engine, PYTHONPATH=str(ROOT))
     done = subprocess.run(
