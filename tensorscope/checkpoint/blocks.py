@@ -7,6 +7,7 @@ routed, for as long as the handle is installed, through the chain's executor (bl
 from __future__ import annotations
 
 import contextlib
+import warnings
 import weakref
 from collections.abc import Callable, Sequence
 from types import TracebackType
@@ -19,7 +20,7 @@ from typing_extensions import Self
 from tensorscope._units import format_bytes, parse_bytes
 from tensorscope.checkpoint.blockprobe import BlockProbe, every_block_ops, retimed
 from tensorscope.checkpoint.blockrun import BlockFunction, BlockPlan, BlockRun
-from tensorscope.checkpoint.calls import split_call, storage_key
+from tensorscope.checkpoint.calls import drop_caches, split_call, storage_key
 from tensorscope.checkpoint.chain import Chain, Schedule
 from tensorscope.checkpoint.explain import explain
 from tensorscope.checkpoint.find import find_chain
@@ -99,6 +100,7 @@ class CheckpointedChain:
         self._error: ScheduleError | None = None
         self._run: BlockRun | None = None
         self._plain_step = False
+        self._warned_cache = False
         self._retimed = False
         self._measured: tuple[torch.device, torch.dtype, int, tuple[int, ...]] | None = None
         self._context: dict[int, int] = {}
@@ -145,6 +147,16 @@ class CheckpointedChain:
         block = self.blocks[k]
         if not (block.training and torch.is_grad_enabled()):
             return self._forwards[k](*args, **kwargs)
+        args, kwargs, dropped = drop_caches(args, kwargs)
+        if dropped and not self._warned_cache:
+            self._warned_cache = True
+            warnings.warn(
+                f"{_SUB}: the model passes a KV cache to its blocks in training "
+                f"(use_cache=True); the checkpointed blocks run without it, as HF's gradient "
+                f"checkpointing does (set model.config.use_cache = False to silence this)",
+                UserWarning,
+                stacklevel=2,
+            )
         if k == 0:
             self._run, self._plain_step = None, False
             if not self._wants_grad(args):

@@ -16,7 +16,14 @@ from torch.utils import _pytree as pytree
 
 from tensorscope.errors import ArgumentTypeError, InvalidArgumentError
 
-__all__ = ["BlockCall", "BlockOutput", "split_call", "split_output", "storage_key"]
+__all__ = [
+    "BlockCall",
+    "BlockOutput",
+    "drop_caches",
+    "split_call",
+    "split_output",
+    "storage_key",
+]
 
 _PREFIX = "tensorscope.checkpoint:"
 
@@ -28,7 +35,8 @@ _PREFIX = "tensorscope.checkpoint:"
 # context tensors inside the limit). Context tensors that require grad (a decoder's encoder
 # states, T5's position bias) become inputs of the block's autograd Function, so their
 # gradients reach the model; a recomputation with autograd uses fresh detached leaves of them.
-# A KV cache is refused: a recomputed block would write it a second time.
+# A KV cache is dropped from a training call (``drop_caches``), as HF's gradient checkpointing
+# does: a recomputed block would write it a second time, and training never reads it.
 
 
 def storage_key(t: torch.Tensor) -> int:
@@ -89,6 +97,27 @@ class BlockCall:
         return [leaf for leaf in self.leaves if isinstance(leaf, torch.Tensor)]
 
 
+def drop_caches(
+    args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> tuple[tuple[Any, ...], dict[str, Any], bool]:
+    """The call without its KV cache: ``Cache`` arguments become ``None``, ``use_cache`` False.
+
+    HF's ``GradientCheckpointingLayer`` does the same in training (with a warning): the model
+    passes its cache to every block when ``config.use_cache`` is on, even in ``train()`` mode.
+    Returns ``(args, kwargs, dropped)``; the inputs are not modified.
+    """
+    dropped = False
+    if any(_is_cache(a) for a in args):
+        args = tuple(None if _is_cache(a) else a for a in args)
+        dropped = True
+    if kwargs.get("use_cache") or any(_is_cache(v) for v in kwargs.values()):
+        kwargs = {key: None if _is_cache(v) else v for key, v in kwargs.items()}
+        if kwargs.get("use_cache"):
+            kwargs["use_cache"] = False
+        dropped = True
+    return args, kwargs, dropped
+
+
 def split_call(
     k: int, name: str, args: tuple[Any, ...], kwargs: dict[str, Any]
 ) -> tuple[torch.Tensor, BlockCall]:
@@ -96,7 +125,8 @@ def split_call(
 
     Raises:
         ArgumentTypeError: the first positional argument is not a floating-point tensor.
-        InvalidArgumentError: the call carries a KV cache (``use_cache=True``).
+        InvalidArgumentError: the call still carries a KV cache (one nested in a container:
+            ``drop_caches`` removes the top-level ones).
     """
     if not args or not isinstance(args[0], torch.Tensor):
         got = type(args[0]).__name__ if args else "no positional argument"

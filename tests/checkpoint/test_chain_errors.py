@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 from chain_helpers import MLPChain, hf_batch, hf_step, mlp_step, same_state, tiny_hf, twins
@@ -11,11 +13,23 @@ from tensorscope.checkpoint import Checkpointable, checkpoint_chain, min_memory
 from tensorscope.errors import ArgumentTypeError, InvalidArgumentError, ScheduleError
 
 
-def test_a_kv_cache_in_training_is_refused() -> None:
-    model = tiny_hf("llama")
-    model.train()
-    with checkpoint_chain(model), pytest.raises(InvalidArgumentError, match="use_cache=False"):
-        model(**hf_batch(), use_cache=True)
+@pytest.mark.parametrize("name", ["gpt2", "llama"])
+def test_a_kv_cache_in_training_is_dropped_as_hf_checkpointing_does(name: str) -> None:
+    # GPT-2 passes its cache positionally, Llama by keyword; with config.use_cache on (the
+    # default of every HF config) both pass one in train() mode too. The reference trains
+    # without a cache, as HF's checkpointing would (GPT-2's attention rounds differently
+    # through its cache: gradients 1 ulp apart).
+    model, ref = twins(tiny_hf(name))
+    model.config.use_cache = True
+    with checkpoint_chain(model):
+        for step in range(3):
+            with warnings.catch_warnings(record=True) as seen:
+                warnings.simplefilter("always")
+                got = hf_step(model)
+            said = [str(w.message) for w in seen if "KV cache" in str(w.message)]
+            assert len(said) == (1 if step == 0 else 0), said  # once per chain
+            assert torch.equal(got, hf_step(ref))
+            assert same_state(model, ref) == []
 
 
 @pytest.mark.filterwarnings("ignore::FutureWarning")  # transformers renames the method
