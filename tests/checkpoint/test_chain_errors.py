@@ -6,7 +6,7 @@ import warnings
 
 import pytest
 import torch
-from chain_helpers import MLPChain, hf_batch, hf_step, mlp_step, same_state, tiny_hf, twins
+from chain_helpers import MLPChain, hf_step, mlp_step, same_state, tiny_hf, twins
 from torch import nn
 
 from tensorscope.checkpoint import Checkpointable, checkpoint_chain, min_memory
