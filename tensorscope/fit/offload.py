@@ -158,7 +158,10 @@ class _Group:
         )
         decision = decide(facts, offloader.min_bytes)
         if decision is Decision.OFFLOAD:
-            return offloader._engine.pack(run, tensor, storage)
+            packed = offloader._engine.pack(run, tensor, storage)
+            if packed is not None:
+                return packed
+            decision = Decision.UNSUPPORTED  # closed meanwhile
         run.kept[decision.name] = run.kept.get(decision.name, 0) + nbytes
         if tensor.grad_fn is None:
             return tensor

@@ -151,6 +151,7 @@ class Engine:
         self.by_storage: dict[int, tuple[StorageWeakRef, weakref.ref[Entry]]] = {}
         self.in_flight = 0
         self.live_entries = 0
+        self.accepting = True  # False once close() was called: new saved tensors stay put
         self.closing = False
         self.closed = False
         self.last_run: GroupRun | None = None
@@ -189,12 +190,17 @@ class Engine:
             self.runs[group] = run
             return run
 
-    def pack(self, run: GroupRun, tensor: torch.Tensor, storage: torch.UntypedStorage) -> Packed:
-        """Offload ``storage`` (the tensor's; ``decide()`` said so) or share its entry."""
+    def pack(
+        self, run: GroupRun, tensor: torch.Tensor, storage: torch.UntypedStorage
+    ) -> Packed | None:
+        """Offload ``storage`` (the tensor's; ``decide()`` said so) or share its entry; None
+        once the offloader is closed (the caller keeps the tensor)."""
         key = storage._cdata
         version = tensor._version
         nbytes = storage.nbytes()
         with self.cond:
+            if not self.accepting:
+                return None
             found = self.by_storage.get(key)
             entry = found[1]() if found is not None and not _expired(found[0]) else None
             if entry is not None and entry.error is None and entry.version == version:
@@ -300,11 +306,16 @@ class Engine:
     def sync(self, timeout: float | None = None) -> bool:
         """Wait until every job queued so far (writes, releases) ran; whether it did."""
         done = threading.Event()
-        self.jobs.put(("sync", done))
+        with self.lock:
+            if self.closed:  # the writer is gone, and nothing is left to do
+                return True
+            self.jobs.put(("sync", done))
         return done.wait(timeout)
 
     def close(self) -> None:
         """No new entries; the store closes once the last entry is released."""
+        with self.lock:
+            self.accepting = False
         self.jobs.put(("close",))
 
 
@@ -371,11 +382,18 @@ def _write_loop(engine: Engine) -> None:
             with engine.lock:
                 engine.last_error = f"{type(exc).__name__}: {exc}"
         if engine.closing and engine.live_entries <= 0 and not engine.closed:
-            engine.closed = True
+            with engine.lock:
+                engine.closed = True
             engine.reads.put(None)
             with contextlib.suppress(Exception):
                 engine.store.close()
-            return
+            while True:  # syncs queued before ``closed`` was set
+                try:
+                    job = engine.jobs.get_nowait()
+                except queue.Empty:
+                    return
+                if job[0] == "sync":
+                    job[1].set()
 
 
 def _read_loop(engine: Engine) -> None:
