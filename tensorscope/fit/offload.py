@@ -180,6 +180,9 @@ class _Group:
         traceback: TracebackType | None,
     ) -> None:
         self._hooks.__exit__(exc_type, exc, traceback)
+        engine = self._offloader._engine
+        if engine.trim_heap and self.run.entries:
+            engine.jobs.put(("trim",))
 
 
 class ActivationOffloader:
@@ -195,6 +198,8 @@ class ActivationOffloader:
             would take out of memory, per group, at no I/O cost).
         reuse_files: keep file regions of dead activations for the next step's tensors of the
             same size (the disk tier's pool), rather than freeing their blocks.
+        trim_heap: on a CPU device, give the C heap's free memory back to the OS after a
+            group's writes (``malloc_trim``; see offload_engine.py's NOTE on the heap).
 
     Example:
         >>> import torch
@@ -217,6 +222,7 @@ class ActivationOffloader:
         max_in_flight_bytes: int = DEFAULT_MAX_IN_FLIGHT_BYTES,
         measure_only: bool = False,
         reuse_files: bool = True,
+        trim_heap: bool = True,
     ) -> None:
         for name, value in (("min_bytes", min_bytes), ("max_in_flight_bytes", max_in_flight_bytes)):
             if not isinstance(value, int) or isinstance(value, bool):
@@ -233,7 +239,8 @@ class ActivationOffloader:
         self.tier = store.tier
         self.directory = store.directory
         self._store = store
-        self._engine = Engine(store, max(1, max_in_flight_bytes), measure_only)
+        trim = trim_heap and self.device.type == "cpu" and not measure_only
+        self._engine = Engine(store, max(1, max_in_flight_bytes), measure_only, trim)
         self._finalizer = weakref.finalize(self, Engine.close, self._engine)
 
     @property
@@ -282,6 +289,7 @@ class ActivationOffloader:
                 sync_reads=engine.sync_reads,
                 write_errors=engine.write_errors,
                 last_error=engine.last_error,
+                trims=engine.trims,
             )
 
     def reset_peak(self) -> None:

@@ -17,6 +17,14 @@ garbage collection; the writer thread does the release).
 # entry's read event only if its prefetch has not finished; an entry still being written is
 # unpacked from memory (its storage is still held), an entry never prefetched is read inline.
 #
+# NOTE [the heap]
+# Activations of a few MiB are below glibc's (dynamic, up to 32 MiB) mmap threshold: freed after
+# their write, they stay in the C heap, resident, and only allocations that fit them reuse
+# them; the loss's large logits take fresh memory beside them, so RSS would not fall at the
+# peak. So on the CPU, after each group's forward, the writer thread (once the writes queued
+# so far are done) gives the free heap back (``malloc_trim``, as the residency manager does)
+# when at least ``TRIM_BYTES`` of it are free (docs/design.md section 12).
+#
 # NOTE [in-place changes]
 # With saved-tensor hooks autograd no longer checks a saved tensor's version at unpack. A write
 # racing an in-place change of the tensor would store torn bytes, so the writer compares the
@@ -38,10 +46,14 @@ from typing import Any
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
+from tensorscope.errors import ResidencyError
 from tensorscope.fit.offload_rules import GroupStats
 from tensorscope.fit.offload_store import Store
+from tensorscope.residency.tiers import free_heap_bytes, release_free_heap
 
 __all__ = ["Engine", "Entry", "GroupRun", "Packed"]
+
+TRIM_BYTES = 64 << 20  # free C heap worth giving back to the OS (see the NOTE on the heap)
 
 
 def _weak_storage(storage: torch.UntypedStorage) -> StorageWeakRef:
@@ -87,7 +99,9 @@ class Entry:
         self.uses = 0  # unpacks since ``loaded`` was read
         self.handles = 0  # saved tensors sharing this entry
         self.reading: threading.Event | None = None  # a prefetch in flight
-        self.error: BaseException | None = None
+        # Why the bytes cannot be unpacked: a message, raised anew each time (a stored exception
+        # would hold its traceback's frames, and through them the graph that holds this entry).
+        self.error: tuple[type[Exception], str] | None = None
         self.watch: torch.Tensor | None = None  # the saved tensor, for its version (until written)
         self.version = 0
 
@@ -140,8 +154,12 @@ class GroupRun:
 class Engine:
     """The shared state of one offloader: store, threads, counters (see the NOTEs)."""
 
-    def __init__(self, store: Store, max_in_flight_bytes: int, measure_only: bool) -> None:
+    def __init__(
+        self, store: Store, max_in_flight_bytes: int, measure_only: bool, trim_heap: bool
+    ) -> None:
         self.store = store
+        self.trim_heap = trim_heap
+        self.trims = 0
         self.max_in_flight_bytes = max_in_flight_bytes
         self.measure_only = measure_only
         self.lock = threading.Lock()
@@ -246,7 +264,8 @@ class Engine:
         while True:
             with self.lock:
                 if entry.error is not None:
-                    raise entry.error
+                    kind, message = entry.error
+                    raise kind(message)
                 if entry.storage is not None:  # not written yet (or measure_only, or failed)
                     return entry.storage
                 if entry.loaded is not None:
@@ -347,10 +366,11 @@ def _write_one(engine: Engine, entry: Entry) -> None:
         engine.write_s += seconds
         entry.copy = copy
         if changed:
-            entry.error = RuntimeError(
+            entry.error = (
+                RuntimeError,
                 "tensorscope.fit: one of the tensors saved for backward was modified by an "
                 "in-place operation while activation offload was writing it out; plain "
-                "autograd would raise here too. Clone it before the in-place change."
+                "autograd would raise here too. Clone it before the in-place change.",
             )
         entry.storage = None  # the memory goes back now, unless someone else holds it
         engine._ram(-entry.nbytes)
@@ -374,6 +394,10 @@ def _write_loop(engine: Engine) -> None:
                         engine._ram(-nbytes)  # write), or read back: its memory was ours
                 if copy is not None:
                     engine.store.release(copy)
+            elif kind == "trim":
+                if free_heap_bytes() >= TRIM_BYTES:
+                    release_free_heap()
+                    engine.trims += 1
             elif kind == "sync":
                 job[1].set()
             elif kind == "close":
@@ -411,7 +435,12 @@ def _read_loop(engine: Engine) -> None:
                 loaded = engine.store.read(copy, entry.nbytes)
             except Exception as exc:
                 with engine.lock:
-                    entry.error = exc
+                    entry.error = (
+                        ResidencyError,
+                        f"tensorscope.fit: an offloaded activation could not be read back: "
+                        f"{type(exc).__name__}: {exc}",
+                    )
+                del exc
             else:
                 seconds = time.perf_counter() - start
                 with engine.lock:

@@ -148,6 +148,7 @@ class OffloadStats:
     sync_reads: int
     write_errors: int
     last_error: str | None
+    trims: int = 0  # times the C heap's free memory was given back (CPU)
 
     @property
     def write_bandwidth(self) -> float:

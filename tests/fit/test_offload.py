@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import gc
 import os
+import threading
+from typing import Any
 
 import pytest
 import torch
@@ -305,3 +307,54 @@ def test_cuda_pinned_host() -> None:  # pragma: no cover - needs a CUDA device
         assert handle.offloader.tier == "host"
         assert handle.stats().bytes_written > 0
     assert_same(grads(model), expected)
+
+
+class _HeldStore:
+    """Wraps a store: writes wait until ``go`` is set, or fail when ``fail`` is set."""
+
+    def __init__(self, store: Any, fail: bool = False) -> None:
+        self._store = store
+        self.go = threading.Event()
+        self.fail = fail
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._store, name)
+
+    def finish(self, storage: torch.UntypedStorage, started: Any) -> Any:
+        if self.fail:
+            raise OSError(28, "No space left on device")
+        self.go.wait(30)
+        return self._store.finish(storage, started)
+
+
+def test_in_place_change_during_the_write_raises_like_autograd() -> None:
+    offloader = ActivationOffloader("cpu", min_bytes=0)
+    held = _HeldStore(offloader._engine.store)
+    offloader._engine.store = held
+    w = torch.randn(16, 16, requires_grad=True)
+    with offloader.group(0):
+        h = (torch.randn(16, 16) @ w).exp()  # exp saves its output, h
+        loss = h.sum()
+    h.mul_(2)  # the in-place change autograd would refuse at backward
+    held.go.set()
+    offloader.sync()
+    with pytest.raises(RuntimeError, match="in-place"):
+        loss.backward()
+    del loss, h
+    assert released(offloader)
+    offloader.close()
+
+
+def test_a_failed_write_keeps_the_tensor_in_memory() -> None:
+    model, x = mlp(), mlp_input()
+    _, expected = run_plain(model, lambda: _step(model, x))
+    model.zero_grad(set_to_none=True)
+    with offload_blocks(model.blocks, min_bytes=0) as handle:
+        engine = handle.offloader._engine
+        engine.store = _HeldStore(engine.store, fail=True)
+        _step(model, x).backward()
+        stats = handle.stats()
+        assert released(handle.offloader)
+    assert_same(grads(model), expected)
+    assert stats.write_errors > 0 and stats.last_error is not None
+    assert "No space left" in stats.last_error
