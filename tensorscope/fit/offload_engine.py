@@ -165,7 +165,7 @@ class Engine:
         self.lock = threading.Lock()
         self.cond = threading.Condition(self.lock)
         self.jobs: queue.SimpleQueue[tuple[Any, ...]] = queue.SimpleQueue()
-        self.reads: queue.SimpleQueue[Entry | None] = queue.SimpleQueue()
+        self.reads: queue.SimpleQueue[Entry | threading.Event | None] = queue.SimpleQueue()
         self.by_storage: dict[int, tuple[StorageWeakRef, weakref.ref[Entry]]] = {}
         self.in_flight = 0
         self.live_entries = 0
@@ -323,13 +323,20 @@ class Engine:
 
     # ------------------------------------------------------------------------------ close
     def sync(self, timeout: float | None = None) -> bool:
-        """Wait until every job queued so far (writes, releases) ran; whether it did."""
-        done = threading.Event()
-        with self.lock:
-            if self.closed:  # the writer is gone, and nothing is left to do
-                return True
-            self.jobs.put(("sync", done))
-        return done.wait(timeout)
+        """Wait until every job queued so far ran (reads first: an entry a read held may be
+        released after it, then writes and releases); whether it did."""
+        for target in ("reads", "jobs"):
+            done = threading.Event()
+            with self.lock:
+                if self.closed:  # the threads are gone, and nothing is left to do
+                    return True
+                if target == "reads":
+                    self.reads.put(done)
+                else:
+                    self.jobs.put(("sync", done))
+            if not done.wait(timeout):
+                return False
+        return True
 
     def close(self) -> None:
         """No new entries; the store closes once the last entry is released."""
@@ -406,11 +413,11 @@ def _write_loop(engine: Engine) -> None:
             with engine.lock:
                 engine.last_error = f"{type(exc).__name__}: {exc}"
         if engine.closing and engine.live_entries <= 0 and not engine.closed:
+            with contextlib.suppress(Exception):
+                engine.store.close()  # files and the private directory go first
             with engine.lock:
                 engine.closed = True
             engine.reads.put(None)
-            with contextlib.suppress(Exception):
-                engine.store.close()
             while True:  # syncs queued before ``closed`` was set
                 try:
                     job = engine.jobs.get_nowait()
@@ -425,6 +432,9 @@ def _read_loop(engine: Engine) -> None:
         entry = engine.reads.get()
         if entry is None:
             return
+        if isinstance(entry, threading.Event):  # sync(): every read queued before is done
+            entry.set()
+            continue
         with engine.lock:
             copy = entry.copy
             event = entry.reading
