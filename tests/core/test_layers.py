@@ -35,6 +35,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("loading",),  # ts.manage(checkpoint=...)
     ("manage",),  # ts.manage()
     ("checkpoint", "memory", "plan"),  # rotor; RSS sampling; the memory plan of a step
+    ("fit",),  # fitting a step into a budget: activation offload (fit/offload*.py)
     ("demo",),  # `tensorscope demo`
     ("cli", "__init__"),  # the command line and the public face
 ]

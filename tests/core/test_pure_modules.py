@@ -36,6 +36,7 @@ PURE = [
     "tensorscope.plan.whatif",
     "tensorscope.plan.summary",
     "tensorscope.plan.snapshot",
+    "tensorscope.fit.offload_rules",
 ]
 
 
