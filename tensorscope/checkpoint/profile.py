@@ -117,8 +117,10 @@ def flatten(model: nn.Module) -> list[nn.Module]:
     if not isinstance(model, nn.Sequential):
         raise ArgumentTypeError(
             f"tensorscope.checkpoint: Checkpointable needs an nn.Sequential, got "
-            f"{type(model).__name__}. Rewrite the model's forward as a sequence of modules, "
-            f"each taking and returning one tensor: nn.Sequential(layer1, layer2, ...)."
+            f"{type(model).__name__}. For a model that calls a list of blocks in its own "
+            f"forward (HF model.layers), use checkpoint_chain(model, mem_limit=...); otherwise "
+            f"rewrite the forward as modules each taking and returning one tensor: "
+            f"nn.Sequential(layer1, layer2, ...)."
         )
     out: list[nn.Module] = []
     for child in model:

@@ -19,6 +19,7 @@ PURE = [
     "tensorscope._units",
     "tensorscope.checkpoint",
     "tensorscope.checkpoint.chain",
+    "tensorscope.checkpoint.find",
     "tensorscope.checkpoint.simulate",
     "tensorscope.checkpoint.solver",
     "tensorscope.policies",
