@@ -35,7 +35,8 @@ LAYERS: list[tuple[str, ...]] = [
     ("loading",),  # ts.manage(checkpoint=...)
     ("manage",),  # ts.manage()
     ("checkpoint", "memory", "plan"),  # rotor; RSS sampling; the memory plan of a step
-    ("demo",),  # `tensorscope demo`
+    ("fit",),  # ts.fit: one plan of a training step under a byte budget
+    ("demo", "integrations"),  # `tensorscope demo`; callbacks for other libraries (HF Trainer)
     ("cli", "__init__"),  # the command line and the public face
 ]
 RANK = {unit: rank for rank, units in enumerate(LAYERS) for unit in units}
