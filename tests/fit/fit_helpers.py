@@ -14,7 +14,7 @@ from torch import nn
 import tensorscope as ts
 
 VOCAB = 97
-BATCH, SEQ = 8, 48
+BATCH, SEQ = 4, 32
 
 
 class Block(nn.Module):
@@ -87,7 +87,7 @@ def batches(name: str, seq: int = SEQ) -> Iterator[dict[str, torch.Tensor]]:
     g = torch.Generator().manual_seed(1)
     while True:
         if name == "mlp":
-            yield {"x": torch.randn(BATCH * seq, 16, generator=g)}
+            yield {"x": torch.randn(12 * seq, 16, generator=g)}
             continue
         ids = torch.randint(0, VOCAB, (BATCH, seq), generator=g)
         mask = torch.ones(BATCH, seq, dtype=torch.long)

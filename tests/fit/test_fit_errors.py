@@ -162,13 +162,13 @@ def test_gradient_accumulation_keeps_gradients() -> None:
 
 
 def test_a_larger_batch_is_measured_and_decided_again() -> None:
-    budget = int(plain_peak("gpt2", "adamw", seq=32) * 1.2)
+    budget = int(plain_peak("gpt2", "adamw", seq=24) * 1.2)
     model = tiny("gpt2")
     ref = twin(model)
     opt, ref_opt = optimizer("adamw", model), optimizer("adamw", ref)
     fit = ts.fit(model, opt, budget=budget)
-    small, big = batches("gpt2", seq=32), batches("gpt2", seq=48)
-    small_ref, big_ref = batches("gpt2", seq=32), batches("gpt2", seq=48)
+    small, big = batches("gpt2", seq=24), batches("gpt2", seq=40)
+    small_ref, big_ref = batches("gpt2", seq=24), batches("gpt2", seq=40)
     for k in range(3):
         assert step(model, opt, next(small), seed=k) == step(ref, ref_opt, next(small_ref), seed=k)
     first = fit.decision

@@ -9,7 +9,7 @@ from fit_helpers import batches, differing, optimizer, plain_peak, step, tiny, t
 import tensorscope as ts
 
 MODELS = ["gpt2", "llama", "bert", "mlp"]
-STEPS = 5
+STEPS = 4
 
 
 @pytest.mark.parametrize("kind", ["adamw", "sgd"])
