@@ -35,8 +35,8 @@ _SUB = "tensorscope.fit"
 # stores everything when that fits); the candidate must also fit outside the chain (the
 # optimizer step with every gradient alive). Of the candidates that fit, the fastest predicted
 # step wins, then the smaller peak, then freeing gradients. Freeing gradients early costs no
-# time, so where it is allowed it wins whenever it lets the chain keep more. Nothing fits: ScheduleError naming the
-# smallest budget of any candidate.
+# time, so where it is allowed it wins whenever it lets the chain keep more. Nothing fits:
+# ScheduleError naming the smallest budget of any candidate.
 # Offload is a third choice per block ("offload": its saved tensors leave the device after its
 # forward and come back before its backward); the type carries it so that a candidate with an
 # offload model can be added here. This build has none (see explain()).

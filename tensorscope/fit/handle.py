@@ -442,11 +442,9 @@ class Fit:
 
 
 def _unwrap(optimizer: Any) -> torch.optim.Optimizer:
-    inner = getattr(optimizer, "optimizer", None)  # accelerate's AcceleratedOptimizer
-    if not isinstance(optimizer, torch.optim.Optimizer) and isinstance(
-        inner, torch.optim.Optimizer
-    ):
-        return inner
+    # accelerate's AcceleratedOptimizer is an Optimizer whose step() steps the one it wraps
+    while isinstance(getattr(optimizer, "optimizer", None), torch.optim.Optimizer):
+        optimizer = optimizer.optimizer
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise ArgumentTypeError(
             f"{_SUB}: ts.fit needs a torch.optim.Optimizer; got {type(optimizer).__name__}"
