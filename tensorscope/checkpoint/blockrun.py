@@ -229,7 +229,7 @@ class BlockRun:
             self.device = x.device
             self.autocast = _autocast_state(x.device.type)
         out = self.forward_op(self.plan.first[k], k)
-        self.structure[k] = out
+        self.structure[k] = out.template()
         self.next_block = k + 1
         if k + 1 == self.n:
             self._drop_x(self.n)  # the loss consumes it
@@ -286,10 +286,10 @@ class BlockRun:
         del g
         self.backward_done.add(k)
         self._drop_x(k)
+        self.calls.pop(k, None)  # no block is recomputed after its backward
         if k == 0:
             self.plain.clear()
             self.outs.clear()
-            self.calls.clear()
             if self.on_done is not None:
                 self.on_done(self)
         return (d_k if k > 0 or self.x_requires_grad else None), ctx_grads, param_grads

@@ -187,7 +187,7 @@ class CheckpointedChain:
         run.alias = weakref.ref(outs[0])
         if k + 1 == len(self.blocks):
             self._run = None
-        return run.structure[k].rebuild(outs)
+        return run.structure.pop(k).rebuild(outs)
 
     def _wants_grad(self, args: tuple[Any, ...]) -> bool:
         if args and isinstance(args[0], torch.Tensor) and args[0].requires_grad:

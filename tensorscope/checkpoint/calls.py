@@ -149,6 +149,13 @@ class BlockOutput:
         """The other tensors the block returned (attention weights...), in order."""
         return [self.leaves[i] for i in self.tensor_positions[1:]]
 
+    def template(self) -> BlockOutput:
+        """The same structure without its tensors (holding them would keep them alive)."""
+        leaves = [None if isinstance(v, torch.Tensor) else v for v in self.leaves]
+        out = BlockOutput(leaves, self.spec)
+        out.tensor_positions = self.tensor_positions
+        return out
+
     def rebuild(self, tensors: Sequence[torch.Tensor]) -> Any:
         """The block's return value with its tensors replaced by ``tensors`` (hidden first)."""
         leaves = list(self.leaves)

@@ -114,6 +114,16 @@ def flatten(model: nn.Module) -> list[nn.Module]:
         >>> [type(m).__name__ for m in flatten(seq)]
         ['Linear', 'ReLU', 'Linear']
     """
+    if isinstance(model, nn.ModuleList):
+        # a list of blocks is looped over by its model's forward, which must keep running:
+        # checkpoint_chain routes the blocks' calls instead of replacing a forward
+        raise ArgumentTypeError(
+            f"tensorscope.checkpoint: Checkpointable needs an nn.Sequential, got a ModuleList "
+            f"of {len(model)} blocks. A list of blocks is checkpointed by passing it to "
+            f"checkpoint_chain(model.model.layers, mem_limit=...) (or checkpoint_chain(model, "
+            f"...), which finds it): it returns a handle with the same compute_sequence(), "
+            f"explain() and schedule while the model's own forward runs."
+        )
     if not isinstance(model, nn.Sequential):
         raise ArgumentTypeError(
             f"tensorscope.checkpoint: Checkpointable needs an nn.Sequential, got "

@@ -91,6 +91,10 @@ def test_bad_chains_and_arguments() -> None:
     block = nn.Linear(4, 4)
     with pytest.raises(InvalidArgumentError, match="same module as block 0"):
         checkpoint_chain(nn.ModuleList([block, block]))
+    with pytest.raises(
+        InvalidArgumentError, match=r"no block chain.*checkpoint_chain\(model\.blocks"
+    ):
+        checkpoint_chain(nn.Sequential(nn.Linear(4, 4), nn.ReLU()), mem_limit="1MiB")
     model = MLPChain()
     with pytest.raises(InvalidArgumentError, match="mem_limit"):
         checkpoint_chain(model, mem_limit="12 parsecs")
