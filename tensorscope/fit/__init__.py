@@ -4,7 +4,9 @@
 The decision is pure (account.py: the recorded step outside the block chain; decide.py: one
 plan under one budget; report.py: ``explain()``); the handle (handle.py) applies it through the
 block chain's checkpointing (``tensorscope.checkpoint``) and the optimizer's update inside
-backward (inbackward.py). This module stays small: the handle is imported at the first call.
+backward (inbackward.py). ``tensorscope.fit.offload`` offloads the tensors autograd saves for
+backward, per block (``offload_blocks``; not yet a choice ``ts.fit`` makes: docs/fit.md). This
+module stays small: the handle is imported at the first call.
 """
 
 from __future__ import annotations

@@ -14,8 +14,8 @@ if TYPE_CHECKING:
 __all__ = ["OFFLOAD_NOTE", "Facts", "explain"]
 
 OFFLOAD_NOTE = (
-    "offload: unavailable -- activation offload is not part of this build; every block is "
-    "kept or recomputed"
+    "offload: unavailable in ts.fit's plan -- every block is kept or recomputed "
+    "(tensorscope.fit.offload.offload_blocks offloads blocks by hand; not yet a choice here)"
 )
 
 

@@ -35,7 +35,8 @@ LAYERS: list[tuple[str, ...]] = [
     ("loading",),  # ts.manage(checkpoint=...)
     ("manage",),  # ts.manage()
     ("checkpoint", "memory", "plan"),  # rotor; RSS sampling; the memory plan of a step
-    ("fit",),  # ts.fit: one plan of a training step under a byte budget
+    # ts.fit: one plan of a training step under a byte budget; activation offload (offload*.py)
+    ("fit",),
     ("demo", "integrations"),  # `tensorscope demo`; callbacks for other libraries (HF Trainer)
     ("cli", "__init__"),  # the command line and the public face
 ]

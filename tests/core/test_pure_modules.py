@@ -39,6 +39,7 @@ PURE = [
     "tensorscope.fit.account",
     "tensorscope.fit.decide",
     "tensorscope.fit.report",
+    "tensorscope.fit.offload_rules",
 ]
 
 

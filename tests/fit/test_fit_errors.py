@@ -6,11 +6,12 @@ import re
 
 import pytest
 import torch
-from fit_helpers import batches, differing, optimizer, plain_peak, step, tiny, twin
 from torch import nn
 from torch.optim.optimizer import _global_optimizer_post_hooks
 
 import tensorscope as ts
+
+from .fit_helpers import batches, differing, optimizer, plain_peak, step, tiny, twin
 
 
 def test_nothing_runs_at_the_call_and_remove_gives_everything_back() -> None:

@@ -4,9 +4,10 @@ budget, the decision as explain() says it."""
 from __future__ import annotations
 
 import pytest
-from fit_helpers import batches, differing, optimizer, plain_peak, step, tiny, twin
 
 import tensorscope as ts
+
+from .fit_helpers import batches, differing, optimizer, plain_peak, step, tiny, twin
 
 MODELS = ["gpt2", "llama", "bert", "mlp"]
 STEPS = 4

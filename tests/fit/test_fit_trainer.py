@@ -6,7 +6,8 @@ from typing import Any
 
 import pytest
 import torch
-from fit_helpers import VOCAB, differing, plain_peak, tiny
+
+from .fit_helpers import VOCAB, differing, plain_peak, tiny
 
 transformers = pytest.importorskip("transformers")
 

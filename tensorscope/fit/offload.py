@@ -1,0 +1,479 @@
+"""Activation offload: the tensors autograd saves for backward, per block, to the next tier.
+
+On a CPU device they go to the disk tier (files in the private offload directory), on CUDA to
+pinned host memory over a side stream. A *group* is one block of the model (one transformer
+layer). In the forward, each saved tensor of a group is packed (``saved_tensors_hooks``):
+written out on a writer thread, at most ``max_in_flight_bytes`` unwritten at a time, so the
+memory drops while the forward goes on. When the backward reaches a group's outputs, that group
+and the one before it are read back on a reader thread; an unpack waits only for a read that
+has not finished. Results are bit-identical to the plain step: the bytes come back unchanged.
+
+Example:
+    >>> import torch
+    >>> from torch import nn
+    >>> from tensorscope.fit.offload import offload_blocks
+    >>> blocks = nn.Sequential(*[nn.Sequential(nn.Linear(512, 512), nn.Tanh()) for _ in range(3)])
+    >>> handle = offload_blocks(list(blocks), min_bytes=1 << 16)
+    >>> blocks(torch.randn(256, 512)).sum().backward()
+    >>> handle.offloader.sync(); handle.stats().groups[1].offloaded_bytes > 0
+    True
+    >>> handle.remove()
+
+# NOTE [when a block is not offloaded]
+# A block's forward runs under the pack hooks only when something would be saved (grad mode
+# on), outside a backward (``torch.utils.checkpoint``'s reentrant recomputation runs blocks in
+# the backward: what it saves is used at once) and when no other saved-tensor hooks are active
+# around it (torch applies only the innermost hooks: under a non-reentrant checkpoint,
+# ``save_on_cpu`` or ``ts.record()``, theirs decide, and we step aside rather than override
+# them). A checkpoint *inside* a block works: its hooks are inner, ours see what it does not
+# take over.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import weakref
+from collections.abc import Iterable, Iterator, Sequence
+from types import TracebackType
+from typing import Any
+
+import torch
+from torch import nn
+from torch.autograd.graph import saved_tensors_hooks
+from torch.utils.hooks import RemovableHandle
+
+from tensorscope._torch import graph_task_id, no_dispatch, plain_alias
+from tensorscope.errors import ArgumentTypeError, InvalidArgumentError, ResidencyError
+from tensorscope.fit.offload_engine import Engine, GroupRun, Packed
+from tensorscope.fit.offload_rules import (
+    DEFAULT_MAX_IN_FLIGHT_BYTES,
+    DEFAULT_MIN_BYTES,
+    Bandwidth,
+    Decision,
+    OffloadStats,
+    SavedTensorFacts,
+    decide,
+)
+from tensorscope.fit.offload_store import make_store
+from tensorscope.ref import TensorRef
+
+__all__ = [
+    "ActivationOffloader",
+    "Bandwidth",
+    "OffloadHandle",
+    "OffloadStats",
+    "offload_blocks",
+]
+
+_PLAIN_TYPES = (torch.Tensor, TensorRef, nn.Parameter)
+
+
+def _is_parameter_like(tensor: torch.Tensor) -> bool:
+    """A parameter (any leaf that requires grad), a view of one, or a cast of one."""
+    if tensor.is_leaf:
+        return tensor.requires_grad
+    base = tensor._base
+    if base is not None and base.is_leaf and base.requires_grad:
+        return True
+    node = tensor.grad_fn
+    if node is not None and type(node).__name__ == "ToCopyBackward0":
+        following = node.next_functions
+        return bool(following) and type(following[0][0]).__name__ == "AccumulateGrad"
+    return False
+
+
+def _hooks_enabled() -> bool:
+    enabled = getattr(torch._C._autograd, "_saved_tensors_hooks_is_enabled", None)
+    return True if enabled is None else bool(enabled())
+
+
+def _other_hooks() -> bool:
+    """Whether saved-tensor hooks are active now (a checkpoint's, ``save_on_cpu``, ...)."""
+    return torch._C._autograd._top_saved_tensors_default_hooks(False) is not None
+
+
+def _tensors_in(value: Any, depth: int = 3) -> Iterator[torch.Tensor]:
+    if isinstance(value, torch.Tensor):
+        yield value
+    elif depth > 0 and isinstance(value, (tuple, list)):
+        for item in value:
+            yield from _tensors_in(item, depth - 1)
+    elif depth > 0 and isinstance(value, dict):
+        for item in value.values():
+            yield from _tensors_in(item, depth - 1)
+
+
+def _storage_ptrs(tensors: Iterable[torch.Tensor]) -> frozenset[int]:
+    ptrs = set()
+    for tensor in tensors:
+        try:
+            ptrs.add(tensor.untyped_storage().data_ptr())
+        except (RuntimeError, NotImplementedError):
+            continue
+    ptrs.discard(0)
+    return frozenset(ptrs)
+
+
+def _unpack(packed: Any) -> torch.Tensor:
+    if isinstance(packed, Packed):
+        with no_dispatch():  # a plain tensor, owned by no scope: autograd frees it
+            return packed.entry.engine.unpack(packed)
+    tensor: torch.Tensor = packed
+    return tensor
+
+
+class _Group:
+    """The context of one group's forward: the pack hooks pushed, its run recorded."""
+
+    def __init__(self, offloader: ActivationOffloader, group: int, context: frozenset[int]) -> None:
+        self._offloader = offloader
+        self._context = context
+        self.run = offloader._engine.new_run(group)
+        self._hooks = saved_tensors_hooks(self._pack, _unpack)
+
+    def _pack(self, tensor: torch.Tensor) -> Any:
+        run = self.run
+        run.saved_tensors += 1
+        offloader = self._offloader
+        try:
+            storage = tensor.untyped_storage()
+            ptr = storage.data_ptr()
+            nbytes = storage.nbytes()
+            supported = (
+                type(tensor) in _PLAIN_TYPES
+                and tensor.layout == torch.strided
+                and tensor.device == offloader.device
+                and not tensor.is_conj()
+                and not tensor.is_neg()
+                and not tensor.is_quantized
+            )
+        except (RuntimeError, NotImplementedError):  # no storage (a functional or fake tensor)
+            ptr, nbytes, supported = 0, 0, False
+        facts = SavedTensorFacts(
+            storage_nbytes=nbytes,
+            parameter=supported and _is_parameter_like(tensor),
+            context=ptr in self._context,
+            supported=supported,
+        )
+        decision = decide(facts, offloader.min_bytes)
+        if decision is Decision.OFFLOAD:
+            packed = offloader._engine.pack(run, tensor, storage)
+            if packed is not None:
+                return packed
+            decision = Decision.UNSUPPORTED  # closed meanwhile
+        run.kept[decision.name] = run.kept.get(decision.name, 0) + nbytes
+        if tensor.grad_fn is None:
+            return tensor
+        # An op's saved output returned as itself would make a cycle (its grad_fn is the node
+        # that saves it): freed only by the garbage collector. A plain alias has no grad_fn.
+        return plain_alias(tensor)
+
+    def __enter__(self) -> GroupRun:
+        self._hooks.__enter__()
+        return self.run
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
+        self._hooks.__exit__(exc_type, exc, traceback)
+        engine = self._offloader._engine
+        if engine.trim_heap and self.run.entries:
+            engine.jobs.put(("trim",))
+
+
+class ActivationOffloader:
+    """Offload what autograd saves in groups of a forward to the tier below ``device``.
+
+    Args:
+        device: the compute device (``"cpu"``: the disk tier; ``"cuda"``: pinned host memory).
+        offload_dir: where the disk tier's files go (default: a private temporary directory,
+            removed at exit, see ``residency/tempdirs.py``).
+        min_bytes: storages smaller than this stay in memory.
+        max_in_flight_bytes: packed and unwritten bytes before the forward waits for the writer.
+        measure_only: decide and count, but write nothing (``stats()`` then says what offload
+            would take out of memory, per group, at no I/O cost).
+        reuse_files: keep file regions of dead activations for the next step's tensors of the
+            same size (the disk tier's pool), rather than freeing their blocks.
+        trim_heap: on a CPU device, give the C heap's free memory back to the OS after a
+            group's writes (``malloc_trim``; see offload_engine.py's NOTE on the heap).
+
+    Example:
+        >>> import torch
+        >>> offloader = ActivationOffloader("cpu", min_bytes=0)
+        >>> w = torch.randn(64, 64, requires_grad=True)
+        >>> with offloader.group(0):
+        ...     loss = (torch.randn(64, 64) @ w).tanh().sum()
+        >>> offloader.prefetch(0); loss.backward()
+        >>> offloader.stats().groups[0].offloaded_storages
+        2
+        >>> offloader.close()
+    """
+
+    def __init__(
+        self,
+        device: torch.device | str = "cpu",
+        *,
+        offload_dir: str | None = None,
+        min_bytes: int = DEFAULT_MIN_BYTES,
+        max_in_flight_bytes: int = DEFAULT_MAX_IN_FLIGHT_BYTES,
+        measure_only: bool = False,
+        reuse_files: bool = True,
+        trim_heap: bool = True,
+    ) -> None:
+        for name, value in (("min_bytes", min_bytes), ("max_in_flight_bytes", max_in_flight_bytes)):
+            if not isinstance(value, int) or isinstance(value, bool):
+                raise ArgumentTypeError(f"tensorscope.fit: {name} takes an int; got {value!r}")
+            if value < 0:
+                raise InvalidArgumentError(f"tensorscope.fit: {name} must be >= 0; got {value}")
+        self.device = torch.device(device)
+        if self.device.type == "cuda" and self.device.index is None:
+            self.device = torch.device("cuda", torch.cuda.current_device())
+        self.min_bytes = min_bytes
+        self.measure_only = measure_only
+        self._offload_dir = offload_dir
+        store = make_store(self.device, offload_dir, reuse_files)
+        self.tier = store.tier
+        self.directory = store.directory
+        self._store = store
+        trim = trim_heap and self.device.type == "cpu" and not measure_only
+        self._engine = Engine(store, max(1, max_in_flight_bytes), measure_only, trim)
+        self._finalizer = weakref.finalize(self, Engine.close, self._engine)
+
+    @property
+    def closed(self) -> bool:
+        """Whether ``close()`` was called (saved activations still in use stay readable)."""
+        return not self._finalizer.alive
+
+    def group(self, group: int, context: Iterable[torch.Tensor] = ()) -> _Group:
+        """A context manager: what autograd saves inside it belongs to ``group`` (an ``int``;
+        groups are prefetched in reverse order of their forwards). ``context``: tensors the
+        caller holds for the whole step (masks, position embeddings): never offloaded."""
+        if self.closed:
+            raise ResidencyError("tensorscope.fit: this ActivationOffloader is closed.")
+        if not isinstance(group, int) or isinstance(group, bool):
+            raise ArgumentTypeError(f"tensorscope.fit: a group is an int; got {group!r}")
+        return _Group(self, group, _storage_ptrs(context))
+
+    def prefetch(self, group: int) -> None:
+        """Start reading back the latest forward of ``group`` (no-op if nothing is out)."""
+        run = self._engine.runs.get(group)
+        if run is not None:
+            self._engine.prefetch(run)
+
+    def sync(self, timeout: float | None = 30.0) -> None:
+        """Wait until the writes and releases queued so far are done (tests, measurements)."""
+        if not self._engine.sync(timeout):
+            raise ResidencyError("tensorscope.fit: the offload writer did not finish in time.")
+
+    def stats(self) -> OffloadStats:
+        """A snapshot of the counters (see ``OffloadStats``)."""
+        engine = self._engine
+        with engine.lock:
+            return OffloadStats(
+                tier="none" if self.measure_only else self.tier,
+                groups={group: run.stats() for group, run in sorted(engine.runs.items())},
+                ram_bytes=engine.ram_bytes,
+                peak_ram_bytes=engine.peak_ram_bytes,
+                tier_bytes=int(getattr(self._store, "live_bytes", 0)),
+                live_entries=engine.live_entries,
+                bytes_written=engine.bytes_written,
+                write_s=engine.write_s,
+                bytes_read=engine.bytes_read,
+                read_s=engine.read_s,
+                pack_wait_s=engine.pack_wait_s,
+                unpack_wait_s=engine.unpack_wait_s,
+                sync_reads=engine.sync_reads,
+                write_errors=engine.write_errors,
+                last_error=engine.last_error,
+                trims=engine.trims,
+            )
+
+    def reset_peak(self) -> None:
+        """Start ``peak_ram_bytes`` again from the bytes held now."""
+        engine = self._engine
+        with engine.lock:
+            engine.peak_ram_bytes = engine.ram_bytes
+
+    def measure_bandwidth(self, nbytes: int = 32 << 20, small_bytes: int = 64 << 10) -> Bandwidth:
+        """Write ``nbytes`` to the tier and read them back, synchronously, on this thread; and
+        a ``small_bytes`` tensor for the fixed cost per tensor. For the planner's estimate of
+        a group's offload time (``Bandwidth.seconds``); collected stats say the same from real
+        steps (``stats().write_bandwidth``)."""
+        # A store of its own (the writer thread owns the offloader's), in the same directory.
+        store = make_store(self.device, self._offload_dir, reuse_files=False)
+        sizes = {}
+        for size in (nbytes, small_bytes):
+            data = torch.ones(size, dtype=torch.uint8, device=self.device).untyped_storage()
+            start = time.perf_counter()
+            copy = store.finish(data, store.begin(data))
+            wrote = time.perf_counter() - start
+            start = time.perf_counter()
+            store.ready(store.read(copy, size))
+            if self.device.type == "cuda":  # pragma: no cover - needs a CUDA device
+                torch.cuda.synchronize(self.device)
+            read = time.perf_counter() - start
+            store.release(copy)
+            sizes[size] = (wrote, read)
+        store.close()
+        wrote, read = sizes[nbytes]
+        return Bandwidth(
+            tier=self.tier,
+            nbytes=nbytes,
+            write_bytes_per_s=nbytes / wrote if wrote > 0 else 0.0,
+            read_bytes_per_s=nbytes / read if read > 0 else 0.0,
+            per_tensor_s=sum(sizes[small_bytes]),
+        )
+
+    def close(self) -> None:
+        """No new groups; the tier's files go once the last saved activation is released
+        (graphs still alive keep working). Idempotent."""
+        self._finalizer()
+
+
+class OffloadHandle:
+    """What :func:`offload_blocks` returns: ``remove()`` takes the hooks off the blocks."""
+
+    def __init__(
+        self, offloader: ActivationOffloader, groups: tuple[int, ...], owned: bool
+    ) -> None:
+        self.offloader = offloader
+        self.groups = groups
+        self._owned = owned
+        self._handles: list[RemovableHandle] = []
+        self.removed = False
+
+    def stats(self) -> OffloadStats:
+        """The offloader's statistics (``OffloadStats``)."""
+        return self.offloader.stats()
+
+    def remove(self) -> None:
+        """Restore the blocks exactly (hooks removed); close the offloader if this call made
+        it. Graphs built before keep working. Idempotent."""
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+        if self._owned:
+            self.offloader.close()
+        self.removed = True
+
+    def __enter__(self) -> OffloadHandle:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.remove()
+
+
+class _BlockHooks:
+    """The hooks of one block: push the group's pack hooks around its forward (per thread),
+    and ask for the prefetch when the backward reaches its outputs."""
+
+    def __init__(self, offloader: ActivationOffloader, module: nn.Module, group: int) -> None:
+        self.offloader = offloader
+        self.module = module
+        self.group = group
+        self._local = threading.local()
+
+    def _stack(self) -> list[_Group | None]:
+        stack: list[_Group | None] | None = getattr(self._local, "stack", None)
+        if stack is None:
+            stack = self._local.stack = []
+        return stack
+
+    def pre(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        stack = self._stack()
+        if (
+            self.offloader.closed
+            or not torch.is_grad_enabled()
+            or graph_task_id() != -1  # in a backward (see the NOTE)
+            or not _hooks_enabled()
+            or _other_hooks()
+        ):
+            stack.append(None)
+            return
+        context = [*_tensors_in(args[1:]), *_tensors_in(kwargs)]
+        context.extend(module.parameters())
+        context.extend(module.buffers())
+        group = _Group(self.offloader, self.group, _storage_ptrs(context))
+        group.__enter__()
+        stack.append(group)
+
+    def post(self, module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
+        stack = self._stack()
+        group = stack.pop() if stack else None
+        if group is None:
+            return
+        group.__exit__(None, None, None)
+        run = weakref.ref(group.run)
+        engine = weakref.ref(self.offloader._engine)
+        nodes = {id(t.grad_fn): t.grad_fn for t in _tensors_in(output) if t.grad_fn is not None}
+        for node in nodes.values():
+            node.register_prehook(lambda grads, run=run, engine=engine: _started(engine, run))
+
+
+def _started(engine_ref: weakref.ref[Engine], run_ref: weakref.ref[GroupRun]) -> None:
+    engine, run = engine_ref(), run_ref()
+    if engine is not None and run is not None and not run.backward_started:
+        engine.backward_started(run)
+
+
+def offload_blocks(
+    blocks: Sequence[nn.Module],
+    groups: Iterable[int] | None = None,
+    *,
+    offloader: ActivationOffloader | None = None,
+    device: torch.device | str | None = None,
+    **options: Any,
+) -> OffloadHandle:
+    """Offload the saved activations of ``blocks[i]`` for each ``i`` in ``groups`` (default:
+    every block); the group of ``blocks[i]`` is ``i``.
+
+    Each chosen block's forward runs under the pack hooks of its group; when the backward
+    reaches a block's outputs, its group and the previous block's are read back. Pass an
+    ``offloader`` to share one between calls (it is then not closed by ``remove()``); else one
+    is made on ``device`` (default: the first block's parameters' device) with ``options``
+    (``ActivationOffloader``'s keyword arguments).
+
+    Example:
+        >>> import torch
+        >>> from torch import nn
+        >>> layers = nn.ModuleList(nn.Linear(8, 8) for _ in range(4))
+        >>> with offload_blocks(layers, groups=[1, 2], min_bytes=0) as handle:
+        ...     x = torch.randn(2, 8)
+        ...     for layer in layers:
+        ...         x = layer(x).relu()
+        ...     x.sum().backward()
+        >>> sorted(handle.stats().groups)
+        [1, 2]
+    """
+    modules = list(blocks)
+    if not all(isinstance(block, nn.Module) for block in modules):
+        raise ArgumentTypeError("tensorscope.fit: offload_blocks() takes a sequence of nn.Modules")
+    chosen = tuple(range(len(modules))) if groups is None else tuple(groups)
+    for index in chosen:
+        if not isinstance(index, int) or isinstance(index, bool):
+            raise ArgumentTypeError(f"tensorscope.fit: a group is a block index; got {index!r}")
+        if not 0 <= index < len(modules):
+            raise InvalidArgumentError(
+                f"tensorscope.fit: group {index} is not a block index (0..{len(modules) - 1})"
+            )
+    owned = offloader is None
+    if offloader is None:
+        if device is None:
+            first = next((p for m in modules for p in m.parameters()), None)
+            device = first.device if first is not None else torch.device("cpu")
+        offloader = ActivationOffloader(device, **options)
+    elif options or device is not None:
+        raise InvalidArgumentError(
+            "tensorscope.fit: pass either an offloader or its options (device, min_bytes, ...)"
+        )
+    handle = OffloadHandle(offloader, chosen, owned)
+    for index in dict.fromkeys(chosen):
+        hooks = _BlockHooks(offloader, modules[index], index)
+        module = modules[index]
+        handle._handles.append(module.register_forward_pre_hook(hooks.pre, with_kwargs=True))
+        handle._handles.append(module.register_forward_hook(hooks.post, always_call=True))
+    return handle
