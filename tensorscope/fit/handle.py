@@ -43,7 +43,8 @@ __all__ = ["Fit", "make_fit"]
 
 _SUB = "tensorscope.fit"
 _lock = threading.Lock()
-_FITTED: weakref.WeakKeyDictionary[Any, Fit] = weakref.WeakKeyDictionary()
+# model or optimizer -> its Fit, both weakly: a Fit lives as long as its model's pre-hook does
+_FITTED: weakref.WeakKeyDictionary[Any, weakref.ref[Fit]] = weakref.WeakKeyDictionary()
 
 # NOTE [the step boundary]
 # A step begins at the model's first training forward (train() mode, grad enabled) after the
@@ -79,6 +80,20 @@ def _note_gradient(param: torch.Tensor) -> None:
     rec = recorder_here()
     if rec is not None:
         plan_hooks._note_parameter(rec, param)
+
+
+def _weak_after(ref: weakref.ref[Fit]) -> Any:
+    def after(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        fit = ref()
+        if fit is not None:
+            fit._after(optimizer, args, kwargs)
+
+    return after
+
+
+def _release(handle: Any) -> None:
+    handle.remove()
+    plan_hooks.uninstall()
 
 
 def _input_nbytes(args: tuple[Any, ...], kwargs: dict[str, Any]) -> int:
@@ -147,7 +162,9 @@ class Fit:
         self._handles.append(model.register_forward_pre_hook(self._before, with_kwargs=True))
         # global, after the recorder's (installed above): torch runs an optimizer's own post
         # hooks before the global ones, and the recorder notes optimizer state in its hook
-        self._handles.append(register_optimizer_step_post_hook(self._after))
+        self._global = register_optimizer_step_post_hook(_weak_after(weakref.ref(self)))
+        # a model dropped without remove(): its hooks go with it, and so do these
+        self._finalizer = weakref.finalize(self, _release, self._global)
 
     # -- the step boundary -------------------------------------------------------------------
 
@@ -427,10 +444,11 @@ class Fit:
             self.chain.remove()
         while self._handles:
             self._handles.pop().remove()
-        plan_hooks.uninstall()
+        self._finalizer()  # the global post-hook and the recorder's hooks, once
         with _lock:
             for key in (self.model, self.optimizer):
-                if _FITTED.get(key) is self:
+                ref = _FITTED.get(key)
+                if ref is not None and ref() is self:
                     del _FITTED[key]
 
     def __repr__(self) -> str:
@@ -467,13 +485,13 @@ def make_fit(model: Any, optimizer: Any, budget: Any, *, blocks: str | None = No
             )
     with _lock:
         for key, what in ((model, "model"), (opt, "optimizer")):
-            other = _FITTED.get(key)
+            ref = _FITTED.get(key)
+            other = ref() if ref is not None else None
             if other is not None and not other.removed:
                 raise InvalidArgumentError(
                     f"{_SUB}: this {what} ({type(key).__name__}) is already fitted "
                     f"({other!r}); call its remove() before ts.fit again"
                 )
         handle = Fit(model, opt, nbytes, blocks)
-        _FITTED[model] = handle
-        _FITTED[opt] = handle
+        _FITTED[model] = _FITTED[opt] = weakref.ref(handle)
     return handle

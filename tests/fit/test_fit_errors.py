@@ -180,3 +180,16 @@ def test_a_larger_batch_is_measured_and_decided_again() -> None:
     assert any("the batch grew" in note for note in fit.notes)
     assert fit.plan_after is not None and fit.plan_after.peak_bytes <= budget
     fit.remove()
+
+
+def test_a_model_dropped_without_remove_takes_its_hooks_along() -> None:
+    import gc
+
+    from tensorscope.plan import hooks as plan_hooks
+
+    before = len(_global_optimizer_post_hooks), len(plan_hooks._users)
+    model = tiny("mlp")
+    fit = ts.fit(model, optimizer("sgd", model), budget="64MiB")
+    del model, fit
+    gc.collect()
+    assert (len(_global_optimizer_post_hooks), len(plan_hooks._users)) == before
