@@ -2,7 +2,7 @@
 
 Model: transformers GPT-2 built from a config with random weights (default: the 124M shape,
 12 x 768, 12 heads, 50257-token vocabulary, batch 2 x 256; ``--quick``: 6 x 256, 4 heads, an
-8192-token vocabulary, batch 4 x 128), fp32, dropout on, no KV cache, ``torch.optim.AdamW``,
+8192-token vocabulary, batch 8 x 128), fp32, dropout on, no KV cache, ``torch.optim.AdamW``,
 ``loss = model(ids, labels=ids).loss``; the user's loop: forward, backward, ``opt.step()``,
 ``opt.zero_grad()``.
 
@@ -40,7 +40,7 @@ BUDGETS = {"ts60": 0.6, "ts40": 0.4}
 
 def _config(quick: bool) -> dict[str, Any]:
     if quick:
-        return {"layers": 6, "hidden": 256, "heads": 4, "vocab": 8192, "batch": 4, "seq": 128}
+        return {"layers": 6, "hidden": 256, "heads": 4, "vocab": 8192, "batch": 8, "seq": 128}
     return {"layers": 12, "hidden": 768, "heads": 12, "vocab": 50257, "batch": 2, "seq": 256}
 
 

@@ -193,3 +193,23 @@ def test_a_model_dropped_without_remove_takes_its_hooks_along() -> None:
     del model, fit
     gc.collect()
     assert (len(_global_optimizer_post_hooks), len(plan_hooks._users)) == before
+
+
+def test_gradients_kept_across_steps_turn_freeing_off() -> None:
+    model = tiny("mlp")
+    ref = twin(model)
+    opt, ref_opt = optimizer("adamw", model), optimizer("adamw", ref)
+    fit = ts.fit(model, opt, budget=int(plain_peak("mlp", "adamw") * 1.5))
+    data = batches("mlp")
+    for k in range(4):
+        batch = next(data)
+        for m, o in ((model, opt), (ref, ref_opt)):
+            torch.manual_seed(k)
+            m(batch["x"]).square().mean().backward()
+            o.step()
+            o.zero_grad(set_to_none=False)  # gradients stay, as zeros
+    assert differing(model, ref) == []
+    assert all(p.grad is not None for p in model.parameters())
+    assert fit.decision is not None and not fit.decision.free_gradients
+    assert "gradients existed when a step began" in fit.explain()
+    fit.remove()
