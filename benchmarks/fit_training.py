@@ -114,6 +114,9 @@ def _worker(cfg: dict[str, Any]) -> dict[str, Any]:
         "tensors": tensors,
         "losses": losses,
     }
+    if fit is not None and cfg.get("png_dir") and fit.plan_before and fit.plan_after:
+        fit.plan_before.save_png(f"{cfg['png_dir']}/fit_{variant}_before.png", title="step 1")
+        fit.plan_after.save_png(f"{cfg['png_dir']}/fit_{variant}_after.png", title="step 3")
     if fit is not None:
         result["explain"] = fit.explain()
         result["budget"] = fit.budget_bytes
@@ -130,11 +133,17 @@ def main() -> int:
     parser.add_argument("--variants", default=",".join(VARIANTS))
     parser.add_argument("--timeout", type=float, default=3600.0)
     parser.add_argument("--explain", action="store_true", help="print ts.fit's explain()")
+    parser.add_argument("--png", default="", help="a directory for ts.fit's before/after plans")
     args = parser.parse_args()
     if args.worker:
         return common.worker_main(_worker, args.worker)
     variants = common.parse_variants(args.variants, VARIANTS)
-    base = {"shape": _config(args.quick), "warmup": max(4, args.warmup), "steps": args.steps}
+    base = {
+        "shape": _config(args.quick),
+        "warmup": max(4, args.warmup),
+        "steps": args.steps,
+        "png_dir": args.png,
+    }
     print(f"shape {base['shape']}, warmup {base['warmup']}, steps {base['steps']}")
     results: dict[str, dict[str, Any]] = {}
     plain = common.run_worker(__file__, {**base, "variant": "plain"}, args.timeout)
