@@ -12,6 +12,11 @@ Variants, each in a fresh process:
   more go to the disk tier (private offload directory under TMPDIR) and come back for backward.
 * ``checkpoint``: transformers' ``gradient_checkpointing_enable()`` (every block, non-reentrant).
 * ``checkpoint+offload``: both: what the checkpoint keeps, each block's input, is offloaded.
+* ``offload-notrim``: ``offload`` without giving the C heap back after each block's writes
+  (``trim_heap=False``): how much of the drop is the trim.
+* ``measure``: ``offload_blocks(..., measure_only=True)``: the hooks and decisions, no I/O.
+* ``trim``: plain, with the same heap trim after each block's forward (no offload): how much
+  of the drop the trim alone gives.
 
 Per variant: RSS before the model is built is the baseline; RSS is sampled every 2 ms during the
 steps after the first (which creates AdamW's state); "peak" is the highest RSS minus the
@@ -35,7 +40,15 @@ from typing import Any
 
 import _offload_common as common
 
-VARIANTS = ("plain", "offload", "checkpoint", "checkpoint+offload")
+VARIANTS = (
+    "plain",
+    "offload",
+    "checkpoint",
+    "checkpoint+offload",
+    "offload-notrim",
+    "measure",
+    "trim",
+)
 
 
 def _worker(cfg: dict[str, Any]) -> dict[str, Any]:
@@ -58,7 +71,20 @@ def _worker(cfg: dict[str, Any]) -> dict[str, Any]:
     variant = cfg["variant"]
     if "checkpoint" in variant:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    handle = offload_blocks(model.transformer.h) if "offload" in variant else None
+    handle = None
+    if "offload" in variant:
+        handle = offload_blocks(model.transformer.h, trim_heap=variant != "offload-notrim")
+    elif variant == "measure":
+        handle = offload_blocks(model.transformer.h, measure_only=True)
+    elif variant == "trim":  # plain, with offload's heap trim after each block's forward
+        from tensorscope.residency.tiers import free_heap_bytes, release_free_heap
+
+        def trim(*_: Any) -> None:
+            if free_heap_bytes() >= 64 * common.MiB:
+                release_free_heap()
+
+        for block in model.transformer.h:
+            block.register_forward_hook(trim)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
     ids = torch.randint(
         0, config.vocab_size, (cfg["batch"], cfg["seq"]), generator=torch.Generator().manual_seed(1)

@@ -34,155 +34,42 @@ from __future__ import annotations
 import threading
 import time
 import weakref
-from collections.abc import Iterable, Iterator, Sequence
-from types import TracebackType
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import torch
 from torch import nn
-from torch.autograd.graph import saved_tensors_hooks
 from torch.utils.hooks import RemovableHandle
 
-from tensorscope._torch import graph_task_id, no_dispatch, plain_alias
+from tensorscope._torch import graph_task_id
 from tensorscope.errors import ArgumentTypeError, InvalidArgumentError, ResidencyError
-from tensorscope.fit.offload_engine import Engine, GroupRun, Packed
+from tensorscope.fit.offload_engine import Engine, GroupRun
+from tensorscope.fit.offload_pack import (
+    Group,
+    hooks_enabled,
+    other_hooks,
+    storage_ptrs,
+    tensors_in,
+)
 from tensorscope.fit.offload_rules import (
     DEFAULT_MAX_IN_FLIGHT_BYTES,
     DEFAULT_MIN_BYTES,
     Bandwidth,
-    Decision,
+    GroupStats,
     OffloadStats,
-    SavedTensorFacts,
-    decide,
 )
 from tensorscope.fit.offload_store import make_store
-from tensorscope.ref import TensorRef
 
 __all__ = [
+    "DEFAULT_MAX_IN_FLIGHT_BYTES",
+    "DEFAULT_MIN_BYTES",
     "ActivationOffloader",
     "Bandwidth",
+    "GroupStats",
     "OffloadHandle",
     "OffloadStats",
     "offload_blocks",
 ]
-
-_PLAIN_TYPES = (torch.Tensor, TensorRef, nn.Parameter)
-
-
-def _is_parameter_like(tensor: torch.Tensor) -> bool:
-    """A parameter (any leaf that requires grad), a view of one, or a cast of one."""
-    if tensor.is_leaf:
-        return tensor.requires_grad
-    base = tensor._base
-    if base is not None and base.is_leaf and base.requires_grad:
-        return True
-    node = tensor.grad_fn
-    if node is not None and type(node).__name__ == "ToCopyBackward0":
-        following = node.next_functions
-        return bool(following) and type(following[0][0]).__name__ == "AccumulateGrad"
-    return False
-
-
-def _hooks_enabled() -> bool:
-    enabled = getattr(torch._C._autograd, "_saved_tensors_hooks_is_enabled", None)
-    return True if enabled is None else bool(enabled())
-
-
-def _other_hooks() -> bool:
-    """Whether saved-tensor hooks are active now (a checkpoint's, ``save_on_cpu``, ...)."""
-    return torch._C._autograd._top_saved_tensors_default_hooks(False) is not None
-
-
-def _tensors_in(value: Any, depth: int = 3) -> Iterator[torch.Tensor]:
-    if isinstance(value, torch.Tensor):
-        yield value
-    elif depth > 0 and isinstance(value, (tuple, list)):
-        for item in value:
-            yield from _tensors_in(item, depth - 1)
-    elif depth > 0 and isinstance(value, dict):
-        for item in value.values():
-            yield from _tensors_in(item, depth - 1)
-
-
-def _storage_ptrs(tensors: Iterable[torch.Tensor]) -> frozenset[int]:
-    ptrs = set()
-    for tensor in tensors:
-        try:
-            ptrs.add(tensor.untyped_storage().data_ptr())
-        except (RuntimeError, NotImplementedError):
-            continue
-    ptrs.discard(0)
-    return frozenset(ptrs)
-
-
-def _unpack(packed: Any) -> torch.Tensor:
-    if isinstance(packed, Packed):
-        with no_dispatch():  # a plain tensor, owned by no scope: autograd frees it
-            return packed.entry.engine.unpack(packed)
-    tensor: torch.Tensor = packed
-    return tensor
-
-
-class _Group:
-    """The context of one group's forward: the pack hooks pushed, its run recorded."""
-
-    def __init__(self, offloader: ActivationOffloader, group: int, context: frozenset[int]) -> None:
-        self._offloader = offloader
-        self._context = context
-        self.run = offloader._engine.new_run(group)
-        self._hooks = saved_tensors_hooks(self._pack, _unpack)
-
-    def _pack(self, tensor: torch.Tensor) -> Any:
-        run = self.run
-        run.saved_tensors += 1
-        offloader = self._offloader
-        try:
-            storage = tensor.untyped_storage()
-            ptr = storage.data_ptr()
-            nbytes = storage.nbytes()
-            supported = (
-                type(tensor) in _PLAIN_TYPES
-                and tensor.layout == torch.strided
-                and tensor.device == offloader.device
-                and not tensor.is_conj()
-                and not tensor.is_neg()
-                and not tensor.is_quantized
-            )
-        except (RuntimeError, NotImplementedError):  # no storage (a functional or fake tensor)
-            ptr, nbytes, supported = 0, 0, False
-        facts = SavedTensorFacts(
-            storage_nbytes=nbytes,
-            parameter=supported and _is_parameter_like(tensor),
-            context=ptr in self._context,
-            supported=supported,
-        )
-        decision = decide(facts, offloader.min_bytes)
-        if decision is Decision.OFFLOAD:
-            packed = offloader._engine.pack(run, tensor, storage)
-            if packed is not None:
-                return packed
-            decision = Decision.UNSUPPORTED  # closed meanwhile
-        run.kept[decision.name] = run.kept.get(decision.name, 0) + nbytes
-        if tensor.grad_fn is None:
-            return tensor
-        # An op's saved output returned as itself would make a cycle (its grad_fn is the node
-        # that saves it): freed only by the garbage collector. A plain alias has no grad_fn.
-        return plain_alias(tensor)
-
-    def __enter__(self) -> GroupRun:
-        self._hooks.__enter__()
-        return self.run
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        traceback: TracebackType | None,
-    ) -> None:
-        self._hooks.__exit__(exc_type, exc, traceback)
-        engine = self._offloader._engine
-        if engine.trim_heap and self.run.entries:
-            engine.jobs.put(("trim",))
 
 
 class ActivationOffloader:
@@ -248,7 +135,7 @@ class ActivationOffloader:
         """Whether ``close()`` was called (saved activations still in use stay readable)."""
         return not self._finalizer.alive
 
-    def group(self, group: int, context: Iterable[torch.Tensor] = ()) -> _Group:
+    def group(self, group: int, context: Iterable[torch.Tensor] = ()) -> Group:
         """A context manager: what autograd saves inside it belongs to ``group`` (an ``int``;
         groups are prefetched in reverse order of their forwards). ``context``: tensors the
         caller holds for the whole step (masks, position embeddings): never offloaded."""
@@ -256,7 +143,7 @@ class ActivationOffloader:
             raise ResidencyError("tensorscope.fit: this ActivationOffloader is closed.")
         if not isinstance(group, int) or isinstance(group, bool):
             raise ArgumentTypeError(f"tensorscope.fit: a group is an int; got {group!r}")
-        return _Group(self, group, _storage_ptrs(context))
+        return Group(self._engine, self.device, self.min_bytes, group, storage_ptrs(context))
 
     def prefetch(self, group: int) -> None:
         """Start reading back the latest forward of ``group`` (no-op if nothing is out)."""
@@ -377,8 +264,8 @@ class _BlockHooks:
         self.group = group
         self._local = threading.local()
 
-    def _stack(self) -> list[_Group | None]:
-        stack: list[_Group | None] | None = getattr(self._local, "stack", None)
+    def _stack(self) -> list[Group | None]:
+        stack: list[Group | None] | None = getattr(self._local, "stack", None)
         if stack is None:
             stack = self._local.stack = []
         return stack
@@ -389,15 +276,21 @@ class _BlockHooks:
             self.offloader.closed
             or not torch.is_grad_enabled()
             or graph_task_id() != -1  # in a backward (see the NOTE)
-            or not _hooks_enabled()
-            or _other_hooks()
+            or not hooks_enabled()
+            or other_hooks()
         ):
             stack.append(None)
             return
-        context = [*_tensors_in(args[1:]), *_tensors_in(kwargs)]
+        context = [*tensors_in(args[1:]), *tensors_in(kwargs)]
         context.extend(module.parameters())
         context.extend(module.buffers())
-        group = _Group(self.offloader, self.group, _storage_ptrs(context))
+        group = Group(
+            self.offloader._engine,
+            self.offloader.device,
+            self.offloader.min_bytes,
+            self.group,
+            storage_ptrs(context),
+        )
         group.__enter__()
         stack.append(group)
 
@@ -409,7 +302,7 @@ class _BlockHooks:
         group.__exit__(None, None, None)
         run = weakref.ref(group.run)
         engine = weakref.ref(self.offloader._engine)
-        nodes = {id(t.grad_fn): t.grad_fn for t in _tensors_in(output) if t.grad_fn is not None}
+        nodes = {id(t.grad_fn): t.grad_fn for t in tensors_in(output) if t.grad_fn is not None}
         for node in nodes.values():
             node.register_prehook(lambda grads, run=run, engine=engine: _started(engine, run))
 

@@ -23,7 +23,7 @@ garbage collection; the writer thread does the release).
 # them; the loss's large logits take fresh memory beside them, so RSS would not fall at the
 # peak. So on the CPU, after each group's forward, the writer thread (once the writes queued
 # so far are done) gives the free heap back (``malloc_trim``, as the residency manager does)
-# when at least ``TRIM_BYTES`` of it are free (docs/design.md section 12).
+# when at least ``TRIM_BYTES`` (offload_threads.py) of it are free (docs/design.md section 12).
 #
 # NOTE [in-place changes]
 # With saved-tensor hooks autograd no longer checks a saved tensor's version at unpack. A write
@@ -46,14 +46,10 @@ from typing import Any
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
-from tensorscope.errors import ResidencyError
 from tensorscope.fit.offload_rules import GroupStats
 from tensorscope.fit.offload_store import Store
-from tensorscope.residency.tiers import free_heap_bytes, release_free_heap
 
 __all__ = ["Engine", "Entry", "GroupRun", "Packed"]
-
-TRIM_BYTES = 64 << 20  # free C heap worth giving back to the OS (see the NOTE on the heap)
 
 
 def _weak_storage(storage: torch.UntypedStorage) -> StorageWeakRef:
@@ -165,7 +161,7 @@ class Engine:
         self.lock = threading.Lock()
         self.cond = threading.Condition(self.lock)
         self.jobs: queue.SimpleQueue[tuple[Any, ...]] = queue.SimpleQueue()
-        self.reads: queue.SimpleQueue[Entry | None] = queue.SimpleQueue()
+        self.reads: queue.SimpleQueue[Entry | threading.Event | None] = queue.SimpleQueue()
         self.by_storage: dict[int, tuple[StorageWeakRef, weakref.ref[Entry]]] = {}
         self.in_flight = 0
         self.live_entries = 0
@@ -186,8 +182,10 @@ class Engine:
         self.sync_reads = 0
         self.write_errors = 0
         self.last_error: str | None = None
-        self._writer = threading.Thread(target=_write_loop, args=(self,), daemon=True)
-        self._reader = threading.Thread(target=_read_loop, args=(self,), daemon=True)
+        from tensorscope.fit.offload_threads import read_loop, write_loop
+
+        self._writer = threading.Thread(target=write_loop, args=(self,), daemon=True)
+        self._reader = threading.Thread(target=read_loop, args=(self,), daemon=True)
         self._writer.name = "tensorscope-offload-writer"
         self._reader.name = "tensorscope-offload-reader"
         self._writer.start()
@@ -323,134 +321,23 @@ class Engine:
 
     # ------------------------------------------------------------------------------ close
     def sync(self, timeout: float | None = None) -> bool:
-        """Wait until every job queued so far (writes, releases) ran; whether it did."""
-        done = threading.Event()
-        with self.lock:
-            if self.closed:  # the writer is gone, and nothing is left to do
-                return True
-            self.jobs.put(("sync", done))
-        return done.wait(timeout)
+        """Wait until every job queued so far ran (reads first: an entry a read held may be
+        released after it, then writes and releases); whether it did."""
+        for target in ("reads", "jobs"):
+            done = threading.Event()
+            with self.lock:
+                if self.closed:  # the threads are gone, and nothing is left to do
+                    return True
+                if target == "reads":
+                    self.reads.put(done)
+                else:
+                    self.jobs.put(("sync", done))
+            if not done.wait(timeout):
+                return False
+        return True
 
     def close(self) -> None:
         """No new entries; the store closes once the last entry is released."""
         with self.lock:
             self.accepting = False
         self.jobs.put(("close",))
-
-
-def _write_one(engine: Engine, entry: Entry) -> None:
-    storage = entry.storage
-    assert storage is not None  # a write job is queued once, before anything drops it
-    start = time.perf_counter()
-    error: BaseException | None = None
-    copy: Any = None
-    try:
-        copy = engine.store.finish(storage, entry.started)
-    except Exception as exc:  # a full disk: the entry stays in memory, nothing is lost
-        error = exc
-    seconds = time.perf_counter() - start
-    changed = False
-    watch = entry.watch
-    with contextlib.suppress(Exception):  # a disposed ref: its version cannot be read
-        changed = watch is not None and watch._version != entry.version
-    with engine.cond:
-        engine.in_flight -= entry.nbytes
-        engine.cond.notify_all()
-        entry.watch = None
-        entry.started = None
-        if error is not None:
-            engine.write_errors += 1
-            engine.last_error = str(error)
-            return
-        engine.bytes_written += entry.nbytes
-        engine.write_s += seconds
-        entry.copy = copy
-        if changed:
-            entry.error = (
-                RuntimeError,
-                "tensorscope.fit: one of the tensors saved for backward was modified by an "
-                "in-place operation while activation offload was writing it out; plain "
-                "autograd would raise here too. Clone it before the in-place change.",
-            )
-        entry.storage = None  # the memory goes back now, unless someone else holds it
-        engine._ram(-entry.nbytes)
-
-
-def _write_loop(engine: Engine) -> None:
-    while True:
-        job = engine.jobs.get()
-        kind = job[0]
-        try:
-            if kind == "write":
-                _write_one(engine, job[1])
-            elif kind == "release":
-                _, copy, key, loaded, nbytes = job
-                with engine.lock:
-                    found = engine.by_storage.get(key)
-                    if found is not None and found[1]() is None:
-                        del engine.by_storage[key]
-                    engine.live_entries -= 1
-                    if copy is None or loaded:  # never written (measure_only, a failed
-                        engine._ram(-nbytes)  # write), or read back: its memory was ours
-                if copy is not None:
-                    engine.store.release(copy)
-            elif kind == "trim":
-                if free_heap_bytes() >= TRIM_BYTES:
-                    release_free_heap()
-                    engine.trims += 1
-            elif kind == "sync":
-                job[1].set()
-            elif kind == "close":
-                engine.closing = True
-        except Exception as exc:  # pragma: no cover - keep the thread alive whatever happens
-            with engine.lock:
-                engine.last_error = f"{type(exc).__name__}: {exc}"
-        if engine.closing and engine.live_entries <= 0 and not engine.closed:
-            with engine.lock:
-                engine.closed = True
-            engine.reads.put(None)
-            with contextlib.suppress(Exception):
-                engine.store.close()
-            while True:  # syncs queued before ``closed`` was set
-                try:
-                    job = engine.jobs.get_nowait()
-                except queue.Empty:
-                    return
-                if job[0] == "sync":
-                    job[1].set()
-
-
-def _read_loop(engine: Engine) -> None:
-    while True:
-        entry = engine.reads.get()
-        if entry is None:
-            return
-        with engine.lock:
-            copy = entry.copy
-            event = entry.reading
-            skip = copy is None or entry.loaded is not None or entry.storage is not None
-        if not skip:
-            start = time.perf_counter()
-            try:
-                loaded = engine.store.read(copy, entry.nbytes)
-            except Exception as exc:
-                with engine.lock:
-                    entry.error = (
-                        ResidencyError,
-                        f"tensorscope.fit: an offloaded activation could not be read back: "
-                        f"{type(exc).__name__}: {exc}",
-                    )
-                del exc
-            else:
-                seconds = time.perf_counter() - start
-                with engine.lock:
-                    entry.loaded = loaded
-                    entry.uses = 0
-                    engine._ram(entry.nbytes)
-                    engine.bytes_read += entry.nbytes
-                    engine.read_s += seconds
-        with engine.lock:
-            entry.reading = None
-        if event is not None:
-            event.set()
-        del entry
