@@ -213,3 +213,38 @@ def test_gradients_kept_across_steps_turn_freeing_off() -> None:
     assert fit.decision is not None and not fit.decision.free_gradients
     assert "gradients existed when a step began" in fit.explain()
     fit.remove()
+
+
+def test_a_grad_scaler_keeps_gradients_and_says_why() -> None:
+    model = tiny("mlp")
+    ref = twin(model)
+    opt, ref_opt = optimizer("adamw", model), optimizer("adamw", ref)
+    scaler, ref_scaler = torch.amp.GradScaler("cpu"), torch.amp.GradScaler("cpu")
+    fit = ts.fit(model, opt, budget="64MiB")
+    data = batches("mlp")
+    for k in range(4):
+        batch = next(data)
+        for m, o, s in ((model, opt, scaler), (ref, ref_opt, ref_scaler)):
+            torch.manual_seed(k)
+            s.scale(m(batch["x"]).square().mean()).backward()
+            s.step(o)
+            s.update()
+            o.zero_grad()
+    assert differing(model, ref) == []
+    assert fit.decision is not None and not fit.decision.free_gradients
+    assert "unscale" in fit.explain()
+    fit.remove()
+
+
+def test_import_tensorscope_stays_light() -> None:
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, tensorscope as ts; "
+        "assert callable(ts.fit); "
+        "assert 'tensorscope.fit.handle' not in sys.modules; "
+        "assert not any(m.startswith('transformers') for m in sys.modules); "
+        "assert ts.Fit.__name__ == 'Fit'"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)
