@@ -322,8 +322,10 @@ class Engine:
     # ------------------------------------------------------------------------------ close
     def sync(self, timeout: float | None = None) -> bool:
         """Wait until every job queued so far ran (reads first: an entry a read held may be
-        released after it, then writes and releases); whether it did."""
-        for target in ("reads", "jobs"):
+        released after it, then writes and releases); whether it did. The writer's queue is
+        synced twice: the last reference to an entry may be a job's own, dropped when the
+        writer takes the next job (the sync marker), so its release is queued after it."""
+        for target in ("reads", "jobs", "jobs"):
             done = threading.Event()
             with self.lock:
                 if self.closed:  # the threads are gone, and nothing is left to do
