@@ -36,6 +36,9 @@ PURE = [
     "tensorscope.plan.whatif",
     "tensorscope.plan.summary",
     "tensorscope.plan.snapshot",
+    "tensorscope.fit.account",
+    "tensorscope.fit.decide",
+    "tensorscope.fit.report",
     "tensorscope.fit.offload_rules",
 ]
 

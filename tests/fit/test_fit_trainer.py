@@ -1,0 +1,68 @@
+"""FitCallback: ts.fit inside a real (tiny) Hugging Face Trainer run, weights equal a plain run."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+from .fit_helpers import VOCAB, differing, plain_peak, tiny
+
+transformers = pytest.importorskip("transformers")
+
+
+class Rows(torch.utils.data.Dataset[dict[str, torch.Tensor]]):
+    def __init__(self) -> None:
+        g = torch.Generator().manual_seed(5)
+        self.ids = torch.randint(0, VOCAB, (16, 32), generator=g)
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        return {"input_ids": self.ids[i], "labels": self.ids[i]}
+
+
+def train(tmp: Any, callbacks: list[Any], max_grad_norm: float) -> torch.nn.Module:
+    model = tiny("gpt2")
+    args = transformers.TrainingArguments(
+        output_dir=str(tmp),
+        per_device_train_batch_size=4,
+        max_steps=5,
+        learning_rate=1e-3,
+        max_grad_norm=max_grad_norm,
+        logging_steps=100,
+        save_strategy="no",
+        report_to=[],
+        seed=7,
+        use_cpu=True,
+        dataloader_num_workers=0,
+        disable_tqdm=True,
+    )
+    trainer = transformers.Trainer(
+        model=model, args=args, train_dataset=Rows(), callbacks=callbacks
+    )
+    trainer.train()
+    return model
+
+
+@pytest.mark.parametrize("max_grad_norm", [1.0])
+def test_trainer_with_fit_callback_trains_like_plain(tmp_path: Any, max_grad_norm: float) -> None:
+    from tensorscope.integrations.transformers import FitCallback
+
+    budget = int(plain_peak("gpt2", "adamw") * 0.7)
+    callback = FitCallback(budget=budget)
+    fitted = train(tmp_path / "fit", [callback], max_grad_norm)
+    plain = train(tmp_path / "plain", [], max_grad_norm)
+    assert differing(fitted, plain) == []
+    fit = callback.fit
+    assert fit is not None and fit.removed  # removed at on_train_end: the model is plain again
+    assert all("forward" not in block.__dict__ for block in fitted.transformer.h)
+    assert fit.decision is not None
+    assert fit.plan_after is not None and fit.plan_after.peak_bytes <= budget
+    # the Trainer clips (max_grad_norm > 0) and, in transformers 5, computes the gradient norm
+    # for its log every step even without clipping: the gradients must all exist at once
+    assert not fit.decision.free_gradients
+    assert "reads gradients outside backward" in fit.explain()
+    assert "recompute" in fit.decision.blocks
