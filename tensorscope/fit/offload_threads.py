@@ -28,12 +28,14 @@ def _write_one(engine: Engine, entry: Entry) -> None:
     storage = entry.storage
     assert storage is not None  # a write job is queued once, before anything drops it
     start = time.perf_counter()
-    error: BaseException | None = None
+    failure: str | None = None
     copy: Any = None
     try:
         copy = engine.store.finish(storage, entry.started)
     except Exception as exc:  # a full disk: the entry stays in memory, nothing is lost
-        error = exc
+        # Only its text is kept: the exception's traceback holds this frame, whose locals hold
+        # the exception and the storage -- a cycle that kept the storage until the next gc.
+        failure = str(exc)
     seconds = time.perf_counter() - start
     changed = False
     watch = entry.watch
@@ -44,9 +46,9 @@ def _write_one(engine: Engine, entry: Entry) -> None:
         engine.cond.notify_all()
         entry.watch = None
         entry.started = None
-        if error is not None:
+        if failure is not None:
             engine.write_errors += 1
-            engine.last_error = str(error)
+            engine.last_error = failure
             return
         engine.bytes_written += entry.nbytes
         engine.write_s += seconds
