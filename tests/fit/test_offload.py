@@ -352,7 +352,10 @@ def test_a_failed_write_keeps_the_tensor_in_memory() -> None:
     with offload_blocks(model.blocks, min_bytes=0) as handle:
         engine = handle.offloader._engine
         engine.store = _HeldStore(engine.store, fail=True)
-        _step(model, x).backward()
+        loss = _step(model, x)
+        handle.offloader.sync()  # every write tried (and failed) before backward needs them
+        loss.backward()
+        del loss
         stats = handle.stats()
         assert released(handle.offloader)
     assert_same(grads(model), expected)
