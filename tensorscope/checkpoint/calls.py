@@ -52,6 +52,16 @@ def _is_cache(value: object) -> bool:
     )
 
 
+def _is_empty_cache(value: object) -> bool:
+    if not _is_cache(value):
+        return False
+    length = getattr(value, "get_seq_length", None)
+    try:
+        return callable(length) and int(length()) == 0
+    except Exception:  # a cache class of another shape: not known to be empty
+        return False
+
+
 class BlockCall:
     """The context of one block call, flattened (NOTE [the context of a block call]).
 
@@ -104,14 +114,16 @@ def drop_caches(
 
     HF's ``GradientCheckpointingLayer`` does the same in training (with a warning): the model
     passes its cache to every block when ``config.use_cache`` is on, even in ``train()`` mode.
+    Only an empty cache is dropped: one holding tokens (a prefix the blocks attend to) would
+    change the results, so it stays and ``split_call`` refuses it.
     Returns ``(args, kwargs, dropped)``; the inputs are not modified.
     """
     dropped = False
-    if any(_is_cache(a) for a in args):
-        args = tuple(None if _is_cache(a) else a for a in args)
+    if any(_is_empty_cache(a) for a in args):
+        args = tuple(None if _is_empty_cache(a) else a for a in args)
         dropped = True
-    if kwargs.get("use_cache") or any(_is_cache(v) for v in kwargs.values()):
-        kwargs = {key: None if _is_cache(v) else v for key, v in kwargs.items()}
+    if kwargs.get("use_cache") or any(_is_empty_cache(v) for v in kwargs.values()):
+        kwargs = {key: None if _is_empty_cache(v) else v for key, v in kwargs.items()}
         if kwargs.get("use_cache"):
             kwargs["use_cache"] = False
         dropped = True
@@ -125,8 +137,8 @@ def split_call(
 
     Raises:
         ArgumentTypeError: the first positional argument is not a floating-point tensor.
-        InvalidArgumentError: the call still carries a KV cache (one nested in a container:
-            ``drop_caches`` removes the top-level ones).
+        InvalidArgumentError: the call still carries a KV cache (one holding tokens, or nested
+            in a container: ``drop_caches`` removes the empty top-level ones).
     """
     if not args or not isinstance(args[0], torch.Tensor):
         got = type(args[0]).__name__ if args else "no positional argument"

@@ -32,6 +32,20 @@ def test_a_kv_cache_in_training_is_dropped_as_hf_checkpointing_does(name: str) -
             assert same_state(model, ref) == []
 
 
+def test_a_cache_holding_tokens_is_refused_not_dropped() -> None:
+    # A prefix the blocks attend to changes the results: dropping it would be silent.
+    from transformers import DynamicCache
+
+    model = tiny_hf("llama")
+    model.train()
+    with torch.no_grad():
+        prefix = model(input_ids=torch.ones(4, 3, dtype=torch.long), use_cache=True)
+    cache = prefix.past_key_values
+    assert isinstance(cache, DynamicCache) and cache.get_seq_length() == 3
+    with checkpoint_chain(model), pytest.raises(InvalidArgumentError, match="KV cache"):
+        model(input_ids=torch.ones(4, 5, dtype=torch.long), past_key_values=cache)
+
+
 @pytest.mark.filterwarnings("ignore::FutureWarning")  # transformers renames the method
 def test_hf_gradient_checkpointing_is_refused() -> None:
     model = tiny_hf("gpt2")
