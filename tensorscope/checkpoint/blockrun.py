@@ -10,7 +10,7 @@ from __future__ import annotations
 import contextlib
 import time
 import weakref
-from collections.abc import Callable, Collection, Iterator, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -20,7 +20,13 @@ from torch.autograd.function import once_differentiable
 
 from tensorscope.checkpoint.calls import BlockCall, BlockOutput, split_output
 from tensorscope.checkpoint.chain import FORWARD_KINDS, Op
-from tensorscope.checkpoint.executor import _autocast, _autocast_state, _Root, _root
+from tensorscope.checkpoint.executor import (
+    _autocast,
+    _autocast_state,
+    _Root,
+    _root,
+    rerun_guard,
+)
 
 __all__ = ["BlockFunction", "BlockPlan", "BlockRun", "Probe"]
 
@@ -155,36 +161,8 @@ class BlockRun:
             self.plain.pop(k, None)
             self.outs.pop(k, None)
 
-    @contextlib.contextmanager
-    def _rerun_guard(self, k: int) -> Iterator[None]:
-        plan, cuda = self.plan, self.device.type == "cuda"
-        if k not in self.ran:
-            self.ran.add(k)
-            if k in plan.replay_rng:
-                self.rng[k] = (
-                    torch.get_rng_state(),
-                    torch.cuda.get_rng_state(self.device) if cuda else None,
-                )
-            yield
-            return
-        saved_cpu = torch.get_rng_state()
-        saved_cuda = torch.cuda.get_rng_state(self.device) if cuda else None
-        tracked = [bn for bn in plan.batchnorms[k] if bn.training and bn.track_running_stats]
-        try:
-            if k in self.rng:
-                cpu_state, cuda_state = self.rng[k]
-                torch.set_rng_state(cpu_state)
-                if cuda_state is not None:
-                    torch.cuda.set_rng_state(cuda_state, self.device)
-            for bn in tracked:
-                bn.track_running_stats = False
-            yield
-        finally:
-            for bn in tracked:
-                bn.track_running_stats = True
-            torch.set_rng_state(saved_cpu)
-            if saved_cuda is not None:
-                torch.cuda.set_rng_state(saved_cuda, self.device)
+    def _rerun_guard(self, k: int) -> contextlib.AbstractContextManager[None]:
+        return rerun_guard(self.plan, self.ran, self.rng, self.device, k)
 
     def _window(self, kind: str, k: int) -> contextlib.AbstractContextManager[Callable[..., None]]:
         if self.probe is None:
