@@ -39,6 +39,10 @@ __all__ = ["StepBase", "chain_ops", "step_base"]
 # start of every later step, so it is counted from op 0. With ``free_gradients`` the plan's
 # what_if model moves each update into the backward, right after its gradient's last write,
 # and ends the gradient there (plan/whatif.py, NOTE [moving intervals]).
+# With the optimizer state in the next tier between updates (fit/statestore.py), the state is
+# resident only while the optimizer step runs (gradients kept: from the step's first op on) or,
+# with gradients freed at their update, one parameter's state at a time: ``offload_state``
+# bytes (the largest parameter's) are counted everywhere instead.
 
 _ACTIVATION_LIKE = ("activation", "temporary", "other")
 
@@ -54,7 +58,10 @@ class StepBase:
         outside: highest bytes before the chain's forward and after its backward.
         parameter_bytes, gradient_bytes, optimizer_state_bytes: bytes of model state (the
             largest each category reaches in the step).
-        seconds: time of the ops outside the chain in the recorded step (recording included).
+        seconds: time of the ops outside the chain in the recorded step (recording included),
+            plus the optimizer state's transfers when it is offloaded.
+        state_offloaded: whether the optimizer state is in the next tier between updates.
+        offloaded_bytes: bytes of optimizer state moved out and back each step.
     """
 
     free_gradients: bool
@@ -65,6 +72,8 @@ class StepBase:
     gradient_bytes: int
     optimizer_state_bytes: int
     seconds: float
+    state_offloaded: bool = False
+    offloaded_bytes: int = 0
 
     @property
     def loss_tmp(self) -> int:
@@ -124,9 +133,15 @@ def _peak(intervals: list[Interval], ranges: list[tuple[int, int]]) -> int:
 
 
 def step_base(
-    plan: MemoryPlan, paths: Collection[str] = (), *, free_gradients: bool = False
+    plan: MemoryPlan,
+    paths: Collection[str] = (),
+    *,
+    free_gradients: bool = False,
+    offload_state: int | None = None,
 ) -> StepBase:
-    """The step's memory outside the chain whose blocks ran as ``paths`` (none: no chain).
+    """The step's memory outside the chain whose blocks ran as ``paths`` (none: no chain);
+    ``offload_state``: the optimizer state is offloaded between updates, and this many bytes
+    (one parameter's state) are read back at a time (NOTE [the step around the chain]).
 
     Example:
         >>> from tensorscope.plan.model import Lifetime, MemoryPlan, OpInfo
@@ -141,6 +156,15 @@ def step_base(
         >>> base = step_base(plan, ["h.0"])
         >>> base.under_chain, base.at_loss, base.loss_tmp, base.outside
         (100, 150, 50, 100)
+        >>> ops.append(OpInfo("add_", 0.0, "", "", "optimizer"))
+        >>> lives.append(life(3, "optimizer_state", 200, 5, None))
+        >>> import dataclasses
+        >>> plan = dataclasses.replace(plan, ops=ops, lifetimes=lives, optimizer_steps=[(5, 6)])
+        >>> step_base(plan, ["h.0"]).under_chain
+        300
+        >>> offloaded = step_base(plan, ["h.0"], offload_state=100)
+        >>> offloaded.under_chain, offloaded.outside, offloaded.offloaded_bytes
+        (100, 300, 200)
     """
     state = _Intervals(plan)
     if free_gradients:
@@ -160,14 +184,24 @@ def step_base(
     rank = {c: k for k, c in enumerate(CATEGORIES)}
     intervals: list[Interval] = []
     largest = dict.fromkeys(("parameter", "gradient", "optimizer_state"), 0)
+    step_start: Position = (plan.optimizer_steps[0][0] if plan.optimizer_steps else n, -2, 0)
+    offloaded = 0
     for index, parts in state.parts.items():
         life = plan.lifetimes[index]
         if index in chain_made:  # the schedule's memory; what outlives the chain stays
             parts = [(max(a, after_chain), b, c, d) for a, b, c, d in parts if b > after_chain]
         elif life.category == "optimizer_state" and life.freed is None and parts:
-            parts = [((0, 0, 0), parts[-1][1], life.nbytes, rank[life.category])]
+            first: Position = (0, 0, 0)
+            if offload_state is not None:
+                offloaded += life.nbytes
+                if free_gradients:  # one parameter's state at a time: counted below
+                    continue
+                first = step_start
+            parts = [(first, parts[-1][1], life.nbytes, rank[life.category])]
         intervals.extend(parts)
     intervals.extend(state.extra)
+    if offload_state is not None and free_gradients and offloaded:
+        intervals.append(((0, 0, 0), (n, -2, 0), offload_state, rank["optimizer_state"]))
     for category in largest:
         own = [part for part in intervals if part[3] == rank[category]]
         largest[category] = peak_of(own, len(CATEGORIES))[0]
@@ -192,4 +226,6 @@ def step_base(
         gradient_bytes=largest["gradient"],
         optimizer_state_bytes=largest["optimizer_state"],
         seconds=max(0.0, plan.seconds - chain_s),
+        state_offloaded=offload_state is not None,
+        offloaded_bytes=offloaded,
     )

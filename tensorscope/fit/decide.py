@@ -193,6 +193,8 @@ def _why(candidates: Sequence[Candidate]) -> str:
     best = min(candidates, key=lambda c: c.least_budget)
     base = best.base
     grads = "freed at their update" if base.free_gradients else "kept until the optimizer step"
+    if base.state_offloaded:
+        grads += " and the optimizer state offloaded between updates"
     return (
         f" (with gradients {grads}: model state and what the step holds outside the block "
         f"chain need {format_bytes(max(base.outside, base.under_chain))}, "

@@ -4,12 +4,14 @@ byte budget (docs/api.md §10, docs/fit.md).
 Nothing runs at the call. The model's forward and the optimizer's step mark the step's
 boundaries (NOTE [the step boundary]); the first training step is recorded (``ts.record``) while
 the block chain runs checkpointed at every block and measures itself; at its end one decision
-is taken (decide.py) and applied: rotor's schedule for the chain (``checkpoint_chain``) and, where
-nothing reads all gradients, the optimizer's update inside backward (inbackward.py).
+is taken (decide.py) and applied: rotor's schedule for the chain (``checkpoint_chain``), where
+nothing reads all gradients the optimizer's update inside backward (inbackward.py), and where
+the budget needs it the optimizer state in the next tier between updates (statestore.py).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import statistics
 import threading
 import time
@@ -33,7 +35,9 @@ from tensorscope.errors import (
 from tensorscope.fit.account import StepBase, step_base
 from tensorscope.fit.decide import Decision, decide
 from tensorscope.fit.inbackward import InBackward, parameters_of, unknown_optimizer
+from tensorscope.fit.offload_rules import Bandwidth
 from tensorscope.fit.report import Facts, explain
+from tensorscope.fit.statestore import StateStore, per_parameter_state_bytes
 from tensorscope.plan import hooks as plan_hooks
 from tensorscope.plan.mode import recorder_here
 from tensorscope.plan.model import MemoryPlan
@@ -156,6 +160,8 @@ class Fit:
         self._retries = 0
         self._times: list[float] = []
         self._inb: InBackward | None = None
+        self._states: StateStore | None = None
+        self._bandwidth: Bandwidth | None = None
         self._handles: list[Any] = []
         self._grad_hooks: list[Any] = []
         plan_hooks.install()  # NOTE [the step boundary]: before any recording opens in a hook
@@ -199,6 +205,8 @@ class Fit:
             if self._inb is not None:  # the measuring step keeps gradients, as step 1 did
                 self._inb.remove()
                 self._inb = None
+            if self._states is not None:  # and its optimizer state resident, as step 1 did
+                self._states.disable()
             self._grads_at_start = grads
             self._batch_nbytes = max(self._batch_nbytes, batch_nbytes)
             self._open("before")
@@ -237,6 +245,8 @@ class Fit:
     def _after(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         if optimizer is not self.optimizer or self.removed:
             return
+        if self._states is not None:  # after the recorder's hook: it saw the state resident
+            self._states.after_step()
         if self._inb is not None and self._inb.updating:
             return
         if self._step_start is None:
@@ -285,7 +295,26 @@ class Fit:
         bases = [step_base(plan, paths, free_gradients=False)]
         if free_gradients:
             bases.append(step_base(plan, paths, free_gradients=True))
+        one, tensors = per_parameter_state_bytes(self.optimizer)
+        if not one:
+            return bases
+        for base in list(bases):
+            moved = step_base(plan, paths, free_gradients=base.free_gradients, offload_state=one)
+            if moved.offloaded_bytes:
+                seconds = self._state_bandwidth().seconds(moved.offloaded_bytes, tensors)
+                bases.append(dataclasses.replace(moved, seconds=moved.seconds + seconds))
         return bases
+
+    def _state_bandwidth(self) -> Bandwidth:
+        if self._bandwidth is None:
+            device = next((p.device for p in parameters_of(self.optimizer)), torch.device("cpu"))
+            self._bandwidth = self._state_store().measure(device)
+        return self._bandwidth
+
+    def _state_store(self) -> StateStore:
+        if self._states is None:
+            self._states = StateStore(self.optimizer, known=self.optimizer_note is None)
+        return self._states
 
     def _chain_paths(self, plan: MemoryPlan) -> list[str]:
         chain = self.chain
@@ -336,6 +365,12 @@ class Fit:
             self._error, self._state = exc, "failed"
             raise
         self.decision = decision
+        if decision.chosen.base.state_offloaded:
+            states = self._state_store()
+            states.enabled = True
+            states.spill(dict(self.optimizer.state))
+        elif self._states is not None:
+            self._states.disable()
         if decision.free_gradients and self._inb is None:
             self._inb = InBackward(self.optimizer)
         elif not decision.free_gradients and self._inb is not None:
@@ -419,7 +454,19 @@ class Fit:
 
         if any(isinstance(p, ManagedParameter) for p in self.model.parameters()):
             return "managed by ts.manage: the residency manager's tiers under its own budget"
-        return "resident on the device (not moved: see docs/fit.md, model state)"
+        base = self.decision.chosen.base if self.decision is not None else None
+        if base is not None and base.state_offloaded and self._states is not None:
+            when = (
+                "one parameter's read back for its update inside backward"
+                if base.free_gradients
+                else "read back for optimizer.step()"
+            )
+            return (
+                f"parameters and gradients resident on the device; optimizer state in the "
+                f"{self._states.tier} tier between updates ({when}; "
+                f"{format_bytes(base.offloaded_bytes)} written and read each step)"
+            )
+        return "resident on the device (parameters not moved: see docs/fit.md, model state)"
 
     def remove(self) -> None:
         """Give the model and optimizer back exactly as they were (their current values):
@@ -440,6 +487,8 @@ class Fit:
         if self._inb is not None:
             self._inb.remove()
             self._inb = None
+        if self._states is not None:
+            self._states.close()
         if self.chain is not None:
             self.chain.remove()
         while self._handles:

@@ -32,7 +32,6 @@ Example:
 from __future__ import annotations
 
 import threading
-import time
 import weakref
 from collections.abc import Iterable, Sequence
 from typing import Any
@@ -58,7 +57,7 @@ from tensorscope.fit.offload_rules import (
     GroupStats,
     OffloadStats,
 )
-from tensorscope.fit.offload_store import make_store
+from tensorscope.fit.offload_store import make_store, measure_store
 
 __all__ = [
     "DEFAULT_MAX_IN_FLIGHT_BYTES",
@@ -192,28 +191,10 @@ class ActivationOffloader:
         steps (``stats().write_bandwidth``)."""
         # A store of its own (the writer thread owns the offloader's), in the same directory.
         store = make_store(self.device, self._offload_dir, reuse_files=False)
-        sizes = {}
-        for size in (nbytes, small_bytes):
-            data = torch.ones(size, dtype=torch.uint8, device=self.device).untyped_storage()
-            start = time.perf_counter()
-            copy = store.finish(data, store.begin(data))
-            wrote = time.perf_counter() - start
-            start = time.perf_counter()
-            store.ready(store.read(copy, size))
-            if self.device.type == "cuda":  # pragma: no cover - needs a CUDA device
-                torch.cuda.synchronize(self.device)
-            read = time.perf_counter() - start
-            store.release(copy)
-            sizes[size] = (wrote, read)
-        store.close()
-        wrote, read = sizes[nbytes]
-        return Bandwidth(
-            tier=self.tier,
-            nbytes=nbytes,
-            write_bytes_per_s=nbytes / wrote if wrote > 0 else 0.0,
-            read_bytes_per_s=nbytes / read if read > 0 else 0.0,
-            per_tensor_s=sum(sizes[small_bytes]),
-        )
+        try:
+            return measure_store(store, self.device, nbytes, small_bytes)
+        finally:
+            store.close()
 
     def close(self) -> None:
         """No new groups; the tier's files go once the last saved activation is released

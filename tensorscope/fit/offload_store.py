@@ -19,16 +19,18 @@ from __future__ import annotations
 
 import ctypes
 import os
+import time
 from typing import Any, Protocol
 
 import torch
 
 from tensorscope._torch import cuda_event, cuda_stream
 from tensorscope.errors import ResidencyError
+from tensorscope.fit.offload_rules import Bandwidth
 from tensorscope.residency.disk import DiskTier
 from tensorscope.residency.mapping import DiskRegion
 
-__all__ = ["DiskStore", "PinnedHostStore", "Store", "make_store"]
+__all__ = ["DiskStore", "PinnedHostStore", "Store", "make_store", "measure_store"]
 
 _READ_CHUNK = 64 << 20
 
@@ -168,4 +170,33 @@ def make_store(device: torch.device, offload_dir: str | None, reuse_files: bool)
         return DiskStore(offload_dir, reuse_files)
     raise ResidencyError(
         f"tensorscope.fit: activation offload supports CPU and CUDA devices; got {device}."
+    )
+
+
+def measure_store(
+    store: Store, device: torch.device, nbytes: int = 32 << 20, small_bytes: int = 64 << 10
+) -> Bandwidth:
+    """Write ``nbytes`` through ``store`` and read them back, synchronously, on this thread; and
+    a ``small_bytes`` tensor for the fixed cost per tensor (``Bandwidth.seconds`` predicts a
+    transfer from these)."""
+    sizes = {}
+    for size in (nbytes, small_bytes):
+        data = torch.ones(size, dtype=torch.uint8, device=device).untyped_storage()
+        start = time.perf_counter()
+        copy = store.finish(data, store.begin(data))
+        wrote = time.perf_counter() - start
+        start = time.perf_counter()
+        store.ready(store.read(copy, size))
+        if device.type == "cuda":  # pragma: no cover - needs a CUDA device
+            torch.cuda.synchronize(device)
+        read = time.perf_counter() - start
+        store.release(copy)
+        sizes[size] = (wrote, read)
+    wrote, read = sizes[nbytes]
+    return Bandwidth(
+        tier=store.tier,
+        nbytes=nbytes,
+        write_bytes_per_s=nbytes / wrote if wrote > 0 else 0.0,
+        read_bytes_per_s=nbytes / read if read > 0 else 0.0,
+        per_tensor_s=sum(sizes[small_bytes]),
     )

@@ -114,11 +114,14 @@ def explain(f: Facts) -> str:
         ]
     lines.append(
         f"    model state: {f.state_where}: parameters {format_bytes(base.parameter_bytes)}, "
-        f"optimizer state {format_bytes(base.optimizer_state_bytes)}, gradients up to "
+        f"optimizer state {'resident at most ' if base.state_offloaded else ''}"
+        f"{format_bytes(base.optimizer_state_bytes)}, gradients up to "
         f"{format_bytes(base.gradient_bytes)}"
     )
     for c in d.candidates:
         grads = "freed at update" if c.base.free_gradients else "kept"
+        if c.base.state_offloaded:
+            grads += f", optimizer state offloaded ({format_bytes(c.base.offloaded_bytes)})"
         fits = (
             f"predicted peak {format_bytes(c.predicted_peak)}, {c.predicted_s:.3f} s"
             if c.fits

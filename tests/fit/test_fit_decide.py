@@ -79,3 +79,18 @@ def test_more_budget_never_predicts_a_slower_step(extra: int) -> None:
     b = decide(least + extra + 50, [FREED], CHAIN, slots=10_000)
     assert b.chosen.predicted_s <= a.chosen.predicted_s + 1e-9
     assert a.chosen.predicted_peak <= least + extra
+
+
+def test_offloaded_state_is_chosen_only_when_it_is_needed_or_faster() -> None:
+    # one step with its optimizer state resident, and the same with the state in the next
+    # tier: 100 bytes less under the chain and at the loss, 0.5 s of transfers
+    resident = StepBase(False, 500, 700, 520, 300, 150, 100, 1.0)
+    moved = StepBase(False, 400, 600, 520, 300, 150, 100, 1.5, True, 100)
+    roomy = decide(resident.under_chain + store_all_memory(CHAIN) + 200, [resident, moved], CHAIN)
+    assert not roomy.chosen.base.state_offloaded  # the resident state fits: no transfers
+    least = decide(10_000, [resident], CHAIN).least_budget
+    assert least > resident.outside  # the chain's region sets it, where the state is moved
+    tight = decide(least - 50, [resident, moved], CHAIN)
+    assert tight.chosen.base.state_offloaded
+    assert tight.chosen.predicted_peak <= least - 50
+    assert [c.fits for c in tight.candidates] == [False, True]
