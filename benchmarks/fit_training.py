@@ -11,7 +11,7 @@ Variants, each in a fresh process (this script with ``--worker``):
 * ``plain``: the step as is.
 * ``hf1``: ``model.gradient_checkpointing_enable()`` (every block recomputed once).
 * ``hf2``: the same on every second block (``gradient_checkpointing`` off on the others).
-* ``ts60`` / ``ts40``: ``ts.fit(model, opt, budget=...)`` at 60% / 40% of plain's step memory
+* ``ts60`` / ``ts40`` / ``ts25``: ``ts.fit(model, opt, budget=...)`` at 60% / 40% / 25% of plain's step memory
   (the peak of its tensors, parameters and AdamW's state included, as ``ts.record`` counts it;
   plain's worker measures it first).
 
@@ -34,8 +34,8 @@ from typing import Any
 
 import _offload_common as common
 
-VARIANTS = ("plain", "hf1", "hf2", "ts60", "ts40")
-BUDGETS = {"ts60": 0.6, "ts40": 0.4}
+VARIANTS = ("plain", "hf1", "hf2", "ts60", "ts40", "ts25")
+BUDGETS = {"ts60": 0.6, "ts40": 0.4, "ts25": 0.25}
 
 
 def _config(quick: bool) -> dict[str, Any]:

@@ -35,6 +35,7 @@ from tensorscope.errors import (
 from tensorscope.fit.account import StepBase, step_base
 from tensorscope.fit.decide import Decision, decide
 from tensorscope.fit.inbackward import InBackward, parameters_of, unknown_optimizer
+from tensorscope.fit.loss import LossMode
 from tensorscope.fit.offload_rules import Bandwidth
 from tensorscope.fit.report import Facts, explain
 from tensorscope.fit.statestore import StateStore, per_parameter_state_bytes
@@ -166,6 +167,10 @@ class Fit:
         self._grad_hooks: list[Any] = []
         plan_hooks.install()  # NOTE [the step boundary]: before any recording opens in a hook
         self._handles.append(model.register_forward_pre_hook(self._before, with_kwargs=True))
+        self._handles.append(model.register_forward_hook(self._after_forward, always_call=True))
+        self._loss = threading.local()  # this thread's LossMode stack (fit/loss.py)
+        self.loss_routed = 0
+        self.loss_shape: tuple[int, ...] = ()
         # global, after the recorder's (installed above): torch runs an optimizer's own post
         # hooks before the global ones, and the recorder notes optimizer state in its hook
         self._global = register_optimizer_step_post_hook(_weak_after(weakref.ref(self)))
@@ -182,6 +187,25 @@ class Fit:
         if self._step_start is None:
             self._begin_step(_input_nbytes(args, kwargs))
         self._forwards += 1
+        if not torch.compiler.is_compiling():  # NOTE [the loss's gradient in place]
+            mode = LossMode()
+            mode.__enter__()  # type: ignore[no-untyped-call]
+            self._loss_stack().append(mode)
+
+    def _loss_stack(self) -> list[LossMode]:
+        stack: list[LossMode] | None = getattr(self._loss, "stack", None)
+        if stack is None:
+            stack = self._loss.stack = []
+        return stack
+
+    def _after_forward(self, module: nn.Module, args: Any, output: Any) -> None:
+        stack = self._loss_stack()
+        if stack:
+            mode = stack.pop()
+            mode.__exit__(None, None, None)  # type: ignore[no-untyped-call]
+            if mode.routed:
+                self.loss_routed += mode.routed
+                self.loss_shape = mode.shape
 
     def _begin_step(self, batch_nbytes: int) -> None:
         self._step_start = time.perf_counter()
@@ -443,6 +467,7 @@ class Fit:
                 measured_step_s=self.measured_step_s,
                 timed_steps=len(self._times),
                 state_where=self._state_where(),
+                loss_shape=self.loss_shape if self.loss_routed else None,
                 notes=tuple(self.notes),
                 error=str(self._error) if self._error is not None else None,
                 removed=self.removed,

@@ -37,6 +37,7 @@ class Facts:
     measured_step_s: float | None
     timed_steps: int
     state_where: str
+    loss_shape: tuple[int, ...] | None = None
     notes: tuple[str, ...] = ()
     error: str | None = None
     removed: bool = False
@@ -112,6 +113,12 @@ def explain(f: Facts) -> str:
         lines += [f"      - {reason}" for reason in f.grads_kept_because] or [
             "      - freeing them at their update predicts no smaller peak and no faster step"
         ]
+    if f.loss_shape is not None:
+        n, v = f.loss_shape
+        lines.append(
+            f"    loss: cross_entropy over {n} x {v} logits, its gradient written over the saved "
+            f"log-probabilities (one buffer of the logits' size less in backward; same bits)"
+        )
     lines.append(
         f"    model state: {f.state_where}: parameters {format_bytes(base.parameter_bytes)}, "
         f"optimizer state {'resident at most ' if base.state_offloaded else ''}"
