@@ -101,6 +101,13 @@ def _release(handle: Any) -> None:
     plan_hooks.uninstall()
 
 
+def _world_size() -> int:
+    distributed = torch.distributed
+    if distributed.is_available() and distributed.is_initialized():
+        return int(distributed.get_world_size())
+    return 1
+
+
 def _input_nbytes(args: tuple[Any, ...], kwargs: dict[str, Any]) -> int:
     total = 0
     for value in (*args, *kwargs.values()):
@@ -306,6 +313,13 @@ class Fit:
             reasons.append(
                 f"gradient accumulation: {self._forwards} forwards per optimizer step (the "
                 f"update needs every micro-batch's gradient)"
+            )
+        ranks = _world_size()
+        if ranks > 1:
+            reasons.append(
+                f"a process group of {ranks} ranks is initialized: DDP and FSDP average each "
+                f"gradient across ranks after autograd accumulates it, so an update at "
+                f"accumulation would use this rank's gradient alone"
             )
         if self._grads_at_start:
             reasons.append(
