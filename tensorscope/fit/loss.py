@@ -27,7 +27,9 @@ __all__ = ["MIN_LOSS_BYTES", "LossMode", "in_place_cross_entropy"]
 # LossMode (a TorchFunctionMode, thread-local) routes F.cross_entropy calls of the model's
 # training forward here when the call is the plain form (2-D logits that require grad, 1-D
 # class indices, no class weights, no label smoothing, mean or sum) and the logits are at
-# least MIN_LOSS_BYTES; anything else runs as it was.
+# least MIN_LOSS_BYTES; anything else runs as it was. Under autocast, ATen casts the logits to
+# float32 for cross_entropy; here the same differentiable cast runs first, then the loss with
+# autocast off (log_softmax alone is not on CPU autocast's float32 list: it would run in bf16).
 
 MIN_LOSS_BYTES = 1 << 20
 _ROWS_BYTES = 4 << 20  # a block of rows: about this many bytes of logits
@@ -83,10 +85,15 @@ def in_place_cross_entropy(
         >>> torch.equal(a, b), torch.equal(ga, gb)
         (True, True)
     """
-    loss: torch.Tensor = _InPlaceCrossEntropy.apply(  # type: ignore[no-untyped-call]
-        logits, target, _REDUCTIONS[reduction], ignore_index
-    )
-    return loss
+    device = logits.device.type
+    if not torch.is_autocast_enabled(device):
+        loss: torch.Tensor = _InPlaceCrossEntropy.apply(  # type: ignore[no-untyped-call]
+            logits, target, _REDUCTIONS[reduction], ignore_index
+        )
+        return loss
+    # autocast runs cross_entropy in float32: the same cast, then the loss outside autocast
+    with torch.autocast(device, enabled=False):
+        return in_place_cross_entropy(logits.float(), target, reduction, ignore_index)
 
 
 def _plain_form(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, ...] | None:

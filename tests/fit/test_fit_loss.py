@@ -3,6 +3,7 @@ log-probabilities -- the same bits as the plain loss, one buffer of the logits' 
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import pytest
@@ -122,3 +123,22 @@ def test_fit_routes_a_large_vocabulary_loss_and_trains_like_plain(name: str) -> 
     assert rows in (4 * 31, 4 * 32) and columns == vocab  # labels shifted, or padded
     assert f"loss: cross_entropy over {rows} x {vocab} logits" in fit.explain()
     fit.remove()
+
+
+@pytest.mark.parametrize("autocast", [False, True])
+def test_half_precision_logits_give_the_same_bits(autocast: bool) -> None:
+    torch.manual_seed(0)
+    w = torch.randn(64, 4000, requires_grad=True)
+    h = torch.randn(300, 64, requires_grad=True)
+    t = torch.randint(0, 4000, (300,))
+
+    def run(routed: bool) -> list[torch.Tensor]:
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            logits = h @ w if autocast else h.bfloat16() @ w.bfloat16()
+            with LossMode() if routed else contextlib.nullcontext() as mode:
+                loss = functional.cross_entropy(logits, t)
+            if routed:
+                assert mode is not None and mode.routed == 1
+        return [loss, *torch.autograd.grad(loss, (h, w))]
+
+    assert all(torch.equal(a, b) for a, b in zip(run(True), run(False), strict=True))
