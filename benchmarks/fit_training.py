@@ -11,9 +11,10 @@ Variants, each in a fresh process (this script with ``--worker``):
 * ``plain``: the step as is.
 * ``hf1``: ``model.gradient_checkpointing_enable()`` (every block recomputed once).
 * ``hf2``: the same on every second block (``gradient_checkpointing`` off on the others).
-* ``ts60`` / ``ts40`` / ``ts25``: ``ts.fit(model, opt, budget=...)`` at 60% / 40% / 25% of plain's step memory
-  (the peak of its tensors, parameters and AdamW's state included, as ``ts.record`` counts it;
-  plain's worker measures it first).
+* ``ts60`` / ``ts40`` / ``ts30`` / ``ts25``: ``ts.fit(model, opt, budget=...)`` at 60% / 40% /
+  30% / 25% of plain's step memory (the peak of its tensors, parameters and AdamW's state
+  included, as ``ts.record`` counts it; plain's worker measures it first).
+* ``tshf1``: ``ts.fit`` with the budget at ``hf1``'s tensor peak (same memory: is it faster?).
 
 Per variant: ``--warmup`` steps (ts.fit: step 1 measures, step 2 re-times, step 3 is recorded),
 then ``--steps`` timed steps: the median seconds per step and its ratio to plain's; ``peak
@@ -34,8 +35,8 @@ from typing import Any
 
 import _offload_common as common
 
-VARIANTS = ("plain", "hf1", "hf2", "ts60", "ts40", "ts25")
-BUDGETS = {"ts60": 0.6, "ts40": 0.4, "ts25": 0.25}
+VARIANTS = ("plain", "hf1", "hf2", "ts60", "tshf1", "ts40", "ts30", "ts25")
+BUDGETS = {"ts60": 0.6, "ts40": 0.4, "ts30": 0.3, "ts25": 0.25}
 
 
 def _config(quick: bool) -> dict[str, Any]:
@@ -75,6 +76,10 @@ def _worker(cfg: dict[str, Any]) -> dict[str, Any]:
                 block.gradient_checkpointing = k % 2 == 0
     elif variant in BUDGETS:
         fit = ts.fit(model, opt, budget=int(cfg["plain_tensors"] * BUDGETS[variant]))
+    elif variant == "tshf1":
+        if cfg.get("hf1_tensors") is None:
+            raise SystemExit("tshf1 needs hf1 in the same run (--variants ...,hf1,tshf1)")
+        fit = ts.fit(model, opt, budget=int(cfg["hf1_tensors"]))
     g = torch.Generator().manual_seed(1)
     batches = [
         torch.randint(0, shape["vocab"], (shape["batch"], shape["seq"]), generator=g)
@@ -154,7 +159,12 @@ def main() -> int:
     for variant in variants:
         if variant == "plain":
             continue
-        cfg = {**base, "variant": variant, "plain_tensors": plain.result["tensors"]}
+        cfg = {
+            **base,
+            "variant": variant,
+            "plain_tensors": plain.result["tensors"],
+            "hf1_tensors": results.get("hf1", {}).get("tensors"),
+        }
         run = common.run_worker(__file__, cfg, args.timeout)
         results[variant] = run.result if run.ok else {"variant": variant, "error": run.error}
     ref = results["plain"]

@@ -41,8 +41,8 @@ __all__ = ["StepBase", "chain_ops", "step_base"]
 # and ends the gradient there (plan/whatif.py, NOTE [moving intervals]).
 # With the optimizer state in the next tier between updates (fit/statestore.py), the state is
 # resident only while the optimizer step runs (gradients kept: from the step's first op on) or,
-# with gradients freed at their update, one parameter's state at a time: ``offload_state``
-# bytes (the largest parameter's) are counted everywhere instead.
+# with gradients freed at their update, each parameter's state only at its update (where
+# what_if's model moved it; a parameter that gets no gradient is never read back).
 
 _ACTIVATION_LIKE = ("activation", "temporary", "other")
 
@@ -137,11 +137,11 @@ def step_base(
     paths: Collection[str] = (),
     *,
     free_gradients: bool = False,
-    offload_state: int | None = None,
+    offload_state: bool = False,
 ) -> StepBase:
     """The step's memory outside the chain whose blocks ran as ``paths`` (none: no chain);
-    ``offload_state``: the optimizer state is offloaded between updates, and this many bytes
-    (one parameter's state) are read back at a time (NOTE [the step around the chain]).
+    ``offload_state``: the optimizer state is in the next tier between updates (NOTE [the step
+    around the chain]).
 
     Example:
         >>> from tensorscope.plan.model import Lifetime, MemoryPlan, OpInfo
@@ -162,7 +162,7 @@ def step_base(
         >>> plan = dataclasses.replace(plan, ops=ops, lifetimes=lives, optimizer_steps=[(5, 6)])
         >>> step_base(plan, ["h.0"]).under_chain
         300
-        >>> offloaded = step_base(plan, ["h.0"], offload_state=100)
+        >>> offloaded = step_base(plan, ["h.0"], offload_state=True)
         >>> offloaded.under_chain, offloaded.outside, offloaded.offloaded_bytes
         (100, 300, 200)
     """
@@ -192,16 +192,19 @@ def step_base(
             parts = [(max(a, after_chain), b, c, d) for a, b, c, d in parts if b > after_chain]
         elif life.category == "optimizer_state" and life.freed is None and parts:
             first: Position = (0, 0, 0)
-            if offload_state is not None:
+            if offload_state:
                 offloaded += life.nbytes
-                if free_gradients:  # one parameter's state at a time: counted below
+                if free_gradients:  # read back for its update only (moved there, or never)
+                    start = parts[-1][0]
+                    if start[1] == 1:
+                        intervals.append(
+                            (start, (start[0], 2, 0), life.nbytes, rank[life.category])
+                        )
                     continue
                 first = step_start
             parts = [(first, parts[-1][1], life.nbytes, rank[life.category])]
         intervals.extend(parts)
     intervals.extend(state.extra)
-    if offload_state is not None and free_gradients and offloaded:
-        intervals.append(((0, 0, 0), (n, -2, 0), offload_state, rank["optimizer_state"]))
     for category in largest:
         own = [part for part in intervals if part[3] == rank[category]]
         largest[category] = peak_of(own, len(CATEGORIES))[0]
@@ -226,6 +229,6 @@ def step_base(
         gradient_bytes=largest["gradient"],
         optimizer_state_bytes=largest["optimizer_state"],
         seconds=max(0.0, plan.seconds - chain_s),
-        state_offloaded=offload_state is not None,
+        state_offloaded=offload_state,
         offloaded_bytes=offloaded,
     )

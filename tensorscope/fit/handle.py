@@ -337,7 +337,7 @@ class Fit:
         if not one:
             return bases
         for base in list(bases):
-            moved = step_base(plan, paths, free_gradients=base.free_gradients, offload_state=one)
+            moved = step_base(plan, paths, free_gradients=base.free_gradients, offload_state=True)
             if moved.offloaded_bytes:
                 seconds = self._state_bandwidth().seconds(moved.offloaded_bytes, tensors)
                 bases.append(dataclasses.replace(moved, seconds=moved.seconds + seconds))
