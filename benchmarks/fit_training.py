@@ -17,7 +17,8 @@ Variants, each in a fresh process (this script with ``--worker``):
 * ``tshf1``: ``ts.fit`` with the budget at ``hf1``'s tensor peak (same memory: is it faster?).
 
 Per variant: ``--warmup`` steps (ts.fit: step 1 measures, step 2 re-times, step 3 is recorded),
-then ``--steps`` timed steps: the median seconds per step and its ratio to plain's; ``peak
+then ``--steps`` timed steps: the median seconds per step and its ratio to plain's (with
+``--rounds N``, every variant runs N times in turn and ``step`` is the median of the N); ``peak
 RSS``: the process's resident memory sampled every 2 ms (psutil) during the timed steps, above
 its RSS before the model was built; ``tensors``: a recorded step's tensor peak (ts.record; for
 ts.fit, ``fit.plan_after``); the losses of every step, compared with plain's bit for bit.
@@ -129,6 +130,32 @@ def _worker(cfg: dict[str, Any]) -> dict[str, Any]:
     return result
 
 
+def _pareto(results: dict[str, dict[str, Any]], path: str) -> None:
+    """Tensor peak against step time (x plain) per variant: tensorscope's points and the peers'."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    plain_s = results["plain"]["step_s"]
+    fig, ax = plt.subplots(figsize=(6.4, 4.2))
+    for variant, r in results.items():
+        if "error" in r or r.get("tensors") is None:
+            continue
+        ours = variant.startswith("ts")
+        x, y = r["step_s"] / plain_s, r["tensors"] / 2**20
+        ax.scatter([x], [y], marker="o" if ours else "s", color="C0" if ours else "C1")
+        ax.annotate(variant, (x, y), textcoords="offset points", xytext=(5, 4), fontsize=8)
+    ax.set_xlabel("step time (x plain)")
+    ax.set_ylabel("tensor peak (MiB)")
+    ax.set_title("ts.fit (circles) vs plain and HF checkpointing (squares)")
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    print(f"wrote {path}")
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--worker", help=argparse.SUPPRESS)
@@ -139,6 +166,13 @@ def main() -> int:
     parser.add_argument("--timeout", type=float, default=3600.0)
     parser.add_argument("--explain", action="store_true", help="print ts.fit's explain()")
     parser.add_argument("--png", default="", help="a directory for ts.fit's before/after plans")
+    parser.add_argument("--pareto", default="", help="a PNG of tensor peak vs step time")
+    parser.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="run every variant this many times, in turn; step: the median over the rounds",
+    )
     args = parser.parse_args()
     if args.worker:
         return common.worker_main(_worker, args.worker)
@@ -156,17 +190,28 @@ def main() -> int:
         print(f"plain failed: {plain.error}")
         return 1
     results["plain"] = plain.result
-    for variant in variants:
-        if variant == "plain":
-            continue
-        cfg = {
-            **base,
-            "variant": variant,
-            "plain_tensors": plain.result["tensors"],
-            "hf1_tensors": results.get("hf1", {}).get("tensors"),
-        }
-        run = common.run_worker(__file__, cfg, args.timeout)
-        results[variant] = run.result if run.ok else {"variant": variant, "error": run.error}
+    times: dict[str, list[float]] = {"plain": [plain.result["step_s"]]}
+    for round_ in range(max(1, args.rounds)):
+        # NOTE: one process's step time moved by up to 40% from one run to the next on this
+        # machine (a shared VM); rounds in turn let each variant meet the same slow spells
+        for variant in variants:
+            if variant == "plain" and round_ == 0:
+                continue
+            cfg = {
+                **base,
+                "variant": variant,
+                "plain_tensors": plain.result["tensors"],
+                "hf1_tensors": results.get("hf1", {}).get("tensors"),
+            }
+            run = common.run_worker(__file__, cfg, args.timeout)
+            if round_ == 0:
+                results[variant] = (
+                    run.result if run.ok else {"variant": variant, "error": run.error}
+                )
+            if run.ok:
+                times.setdefault(variant, []).append(run.result["step_s"])
+    for variant, seen in times.items():
+        results[variant]["step_s"] = statistics.median(seen)
     ref = results["plain"]
     rows = []
     for variant in variants:
@@ -197,6 +242,8 @@ def main() -> int:
         ],
         rows,
     )
+    if args.pareto:
+        _pareto(results, args.pareto)
     if args.explain:
         for variant in variants:
             if "explain" in results.get(variant, {}):

@@ -104,6 +104,7 @@ class StateStore:
         self.bytes_written = 0
         self.bytes_read = 0
         self.write_errors = 0
+        self._was_spilled = False  # at the last state_dict() call
         self._handles = [
             optimizer.register_step_pre_hook(self._before_step),
             optimizer.register_state_dict_pre_hook(self._before_state_dict),
@@ -230,7 +231,7 @@ class StateStore:
         # the returned dict's per-parameter dicts are the optimizer's own: copy them, so that
         # writing the state out again leaves the caller's values whole
         state_dict["state"] = {k: dict(v) for k, v in state_dict["state"].items()}
-        if self.enabled and getattr(self, "_was_spilled", False):
+        if self.enabled and self._was_spilled:
             self._spill_or_warn(dict(self.optimizer.state))
         return state_dict
 
