@@ -10,6 +10,8 @@ import torch
 from torch.nn import functional
 from torch.overrides import TorchFunctionMode
 
+from tensorscope.errors import InvalidArgumentError
+
 __all__ = ["MIN_LOSS_BYTES", "LossMode", "in_place_cross_entropy"]
 
 # NOTE [the loss's gradient in place]
@@ -23,7 +25,9 @@ __all__ = ["MIN_LOSS_BYTES", "LossMode", "in_place_cross_entropy"]
 # needs: one buffer of the logits' size plus a block's two. Each of these kernels computes a
 # row from that row alone, so the values are the same bits as the plain loss's. The saved
 # log-probabilities are overwritten: a second backward through the same graph
-# (retain_graph=True) raises autograd's "modified by an inplace operation" error.
+# (retain_graph=True) raises autograd's "modified by an inplace operation" error, and a
+# gradient of the gradient (create_graph=True) an InvalidArgumentError: the gradient is computed
+# from saved tensors outside autograd's view, and would silently be a constant.
 # LossMode (a TorchFunctionMode, thread-local) routes F.cross_entropy calls of the model's
 # training forward here when the call is the plain form (2-D logits that require grad, 1-D
 # class indices, no class weights, no label smoothing, mean or sum) and the logits are at
@@ -51,6 +55,12 @@ class _InPlaceCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        if torch.is_grad_enabled():  # create_graph=True: this gradient would be a constant
+            raise InvalidArgumentError(
+                "tensorscope.fit: the loss's backward runs in place (one buffer of the logits' "
+                "size less) and cannot be differentiated again (create_graph=True); compute "
+                "that loss outside the model's forward, or without ts.fit"
+            )
         logp, target, total_weight = ctx.saved_tensors
         n, v = logp.shape
         rows = max(1, _ROWS_BYTES // max(1, v * logp.element_size()))

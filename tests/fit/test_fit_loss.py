@@ -72,6 +72,13 @@ def test_a_second_backward_is_refused_by_autograd() -> None:
         loss.backward()
 
 
+def test_a_gradient_of_the_gradient_is_refused_not_wrong() -> None:
+    x = torch.randn(8, 10, requires_grad=True)
+    loss = in_place_cross_entropy(x, torch.arange(8))
+    with pytest.raises(ts.InvalidArgumentError, match="create_graph"):
+        torch.autograd.grad(loss, x, create_graph=True)
+
+
 def test_the_mode_routes_only_the_plain_form() -> None:
     x = torch.randn(300, 1000, requires_grad=True)  # 1.1 MiB: large enough
     t = torch.randint(0, 1000, (300,))
