@@ -13,9 +13,9 @@ transformers = pytest.importorskip("transformers")
 
 
 class Rows(torch.utils.data.Dataset[dict[str, torch.Tensor]]):
-    def __init__(self) -> None:
+    def __init__(self, vocab: int = VOCAB) -> None:
         g = torch.Generator().manual_seed(5)
-        self.ids = torch.randint(0, VOCAB, (16, 32), generator=g)
+        self.ids = torch.randint(0, vocab, (16, 32), generator=g)
 
     def __len__(self) -> int:
         return len(self.ids)
@@ -24,8 +24,18 @@ class Rows(torch.utils.data.Dataset[dict[str, torch.Tensor]]):
         return {"input_ids": self.ids[i], "labels": self.ids[i]}
 
 
-def train(tmp: Any, callbacks: list[Any], max_grad_norm: float) -> torch.nn.Module:
-    model = tiny("gpt2")
+def big_vocabulary_gpt2() -> torch.nn.Module:
+    torch.manual_seed(0)
+    cfg = transformers.GPT2Config(
+        n_layer=2, n_embd=32, n_head=4, vocab_size=4096, n_positions=64, use_cache=False
+    )
+    return transformers.GPT2LMHeadModel(cfg).train()
+
+
+def train(
+    tmp: Any, callbacks: list[Any], max_grad_norm: float, vocab: int = VOCAB
+) -> torch.nn.Module:
+    model = tiny("gpt2") if vocab == VOCAB else big_vocabulary_gpt2()
     args = transformers.TrainingArguments(
         output_dir=str(tmp),
         per_device_train_batch_size=4,
@@ -41,7 +51,7 @@ def train(tmp: Any, callbacks: list[Any], max_grad_norm: float) -> torch.nn.Modu
         disable_tqdm=True,
     )
     trainer = transformers.Trainer(
-        model=model, args=args, train_dataset=Rows(), callbacks=callbacks
+        model=model, args=args, train_dataset=Rows(vocab), callbacks=callbacks
     )
     trainer.train()
     return model
@@ -66,3 +76,14 @@ def test_trainer_with_fit_callback_trains_like_plain(tmp_path: Any, max_grad_nor
     assert not fit.decision.free_gradients
     assert "reads gradients outside backward" in fit.explain()
     assert "recompute" in fit.decision.blocks
+
+
+def test_trainer_loss_runs_in_place_and_trains_like_plain(tmp_path: Any) -> None:
+    # the Trainer passes num_items_in_batch: HF's loss sums, then divides (reduction "sum")
+    from tensorscope.integrations.transformers import FitCallback
+
+    callback = FitCallback(budget="1GiB")
+    fitted = train(tmp_path / "fit", [callback], 1.0, vocab=4096)
+    plain = train(tmp_path / "plain", [], 1.0, vocab=4096)
+    assert differing(fitted, plain) == []
+    assert callback.fit is not None and callback.fit.loss_routed == 5
