@@ -20,8 +20,7 @@ import torch
 
 from tensorscope.checkpoint.calls import storage_key
 from tensorscope.checkpoint.chain import Op
-from tensorscope.checkpoint.profile import LayerProfile, Profile
-from tensorscope.checkpoint.tracker import StorageTracker
+from tensorscope.checkpoint.profile import LayerProfile, Meter, Profile
 
 __all__ = ["BlockProbe", "alike_medians", "every_block_ops", "retimed"]
 
@@ -147,38 +146,13 @@ class BlockProbe:
 
     def __init__(self, n: int, device: torch.device) -> None:
         self.device = device
-        self.cuda = device.type == "cuda"
-        self.tracker = None if self.cuda else StorageTracker()
+        self.meter = Meter(device)
         self.blocks = [_Block() for _ in range(n)]
 
     def _now(self) -> float:
-        if self.cuda:
+        if self.meter.cuda:
             torch.cuda.synchronize(self.device)
         return time.perf_counter()
-
-    def _mark(self) -> int:
-        if self.tracker is None:
-            torch.cuda.synchronize(self.device)
-            torch.cuda.reset_peak_memory_stats(self.device)
-            return int(torch.cuda.memory_allocated(self.device))
-        self.tracker.reset_peak()
-        return self.tracker.live_nbytes
-
-    def _live(self) -> int:
-        if self.tracker is None:
-            return int(torch.cuda.memory_allocated(self.device))
-        return self.tracker.live_nbytes
-
-    def _peak(self, exclude: Sequence[torch.Tensor] = ()) -> int:
-        if self.tracker is None:
-            torch.cuda.synchronize(self.device)
-            return int(torch.cuda.max_memory_allocated(self.device))
-        return self.tracker.window_peak(exclude)
-
-    @contextmanager
-    def _tracking(self) -> Iterator[None]:
-        with self.tracker if self.tracker is not None else nullcontext():
-            yield
 
     @contextmanager
     def forward(self, kind: str, k: int) -> Iterator[Callable[[torch.Tensor], None]]:
@@ -189,7 +163,7 @@ class BlockProbe:
         live = [0, 0]  # bytes left allocated, output storage key
 
         def seen(hidden: torch.Tensor) -> None:
-            live[0] = max(self._live() - base, int(hidden.untyped_storage().nbytes()))
+            live[0] = max(self.meter.live() - base, int(hidden.untyped_storage().nbytes()))
             live[1] = storage_key(hidden)
 
         def pack(t: torch.Tensor) -> torch.Tensor:
@@ -202,13 +176,13 @@ class BlockProbe:
             else nullcontext()
         )
         rng_before = _rng_state(self.device) if kind != "Fe" else []
-        with self._tracking():
-            base = self._mark()
+        with self.meter.tracking():
+            base = self.meter.mark()
             start = self._now()
             with hooks:
                 yield seen
             elapsed = self._now() - start
-            tmp = max(0, self._peak() - base - live[0])
+            tmp = max(0, self.meter.peak() - base - live[0])
         if kind == "Fe":
             rec.xbar_nbytes = max(live[0], rec.x_nbytes)
             rec.keeps_output = live[1] in saved
@@ -230,12 +204,12 @@ class BlockProbe:
             grads.extend(param_grads)
             input_nbytes[0] = 0 if input_grad is None else input_grad.nbytes
 
-        with self._tracking():
-            base = self._mark()
+        with self.meter.tracking():
+            base = self.meter.mark()
             start = self._now()
             yield seen
             rec.bw_s = self._now() - start
-            rec.bw_tmp_nbytes = max(0, self._peak(grads) - base - input_nbytes[0])
+            rec.bw_tmp_nbytes = max(0, self.meter.peak(grads) - base - input_nbytes[0])
 
     def profile(self, names: Sequence[str], input_nbytes: int) -> Profile:
         """The measurements as a :class:`~tensorscope.checkpoint.profile.Profile`; times are
@@ -258,5 +232,4 @@ class BlockProbe:
 
     def close(self) -> None:
         """Stop watching the storages still alive."""
-        if self.tracker is not None:
-            self.tracker.close()
+        self.meter.close()

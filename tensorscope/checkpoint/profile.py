@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 
 import torch
@@ -142,8 +142,9 @@ def _storage_nbytes(t: torch.Tensor) -> int:
     return int(t.untyped_storage().nbytes())
 
 
-class _Meter:
-    """Live/peak bytes relative to a mark: StorageTracker on CPU, CUDA stats on CUDA."""
+class Meter:
+    """Live/peak bytes relative to a mark: StorageTracker on CPU, CUDA stats on CUDA (the
+    measuring window of profile.py and of the block probe, blockprobe.py)."""
 
     def __init__(self, device: torch.device) -> None:
         self.cuda = device.type == "cuda"
@@ -151,13 +152,22 @@ class _Meter:
         self.tracker = None if self.cuda else StorageTracker()
 
     @contextmanager
+    def tracking(self) -> Iterator[None]:
+        """Count the storages made inside (the tracker pushed for the block only)."""
+        with self.tracker if self.tracker is not None else nullcontext():
+            yield
+
+    @contextmanager
     def active(self) -> Iterator[None]:
-        if self.tracker is None:
+        """As :meth:`tracking`, then stop watching the storages still alive."""
+        with self.tracking():
             yield
-            return
-        with self.tracker:
-            yield
-        self.tracker.close()
+        self.close()
+
+    def close(self) -> None:
+        """Stop watching the storages still alive."""
+        if self.tracker is not None:
+            self.tracker.close()
 
     def mark(self) -> int:
         if self.tracker is None:
@@ -215,7 +225,7 @@ def _rng_state(device: torch.device) -> list[torch.Tensor]:
     return states
 
 
-def _measure_memory(k: int, layer: nn.Module, x: torch.Tensor, meter: _Meter) -> _Sizes:
+def _measure_memory(k: int, layer: nn.Module, x: torch.Tensor, meter: Meter) -> _Sizes:
     version = x._version
     rng_before = _rng_state(x.device)
     base = meter.mark()
@@ -344,7 +354,7 @@ def measure(
     if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
         raise InvalidArgumentError(f"tensorscope.checkpoint: repeats must be >= 1; got {repeats!r}")
     device = sample_input.device
-    meter = _Meter(device)
+    meter = Meter(device)
     sizes: list[_Sizes] = []
     times: list[tuple[float, float]] = []
     with _no_trace(layers, device):
