@@ -149,3 +149,33 @@ def test_half_precision_logits_give_the_same_bits(autocast: bool) -> None:
         return [loss, *torch.autograd.grad(loss, (h, w))]
 
     assert all(torch.equal(a, b) for a, b in zip(run(True), run(False), strict=True))
+
+
+def test_fit_under_autocast_trains_like_plain() -> None:
+    import transformers as tf
+
+    torch.manual_seed(0)
+    cfg = tf.GPT2Config(
+        n_layer=2, n_embd=32, n_head=4, vocab_size=4096, n_positions=64, use_cache=False
+    )
+    model = tf.GPT2LMHeadModel(cfg).train()
+    ref = twin(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    ropt = torch.optim.AdamW(ref.parameters(), lr=1e-3)
+    fit = ts.fit(model, opt, budget="1GiB")
+    g = torch.Generator().manual_seed(1)
+    for i in range(3):
+        ids = torch.randint(0, 4096, (4, 32), generator=g)
+        losses = []
+        for net, o in ((model, opt), (ref, ropt)):
+            torch.manual_seed(i)
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                loss = net(input_ids=ids, labels=ids).loss
+            loss.backward()
+            o.step()
+            o.zero_grad()
+            losses.append(loss.item())
+        assert losses[0] == losses[1]
+        assert not differing(model, ref)
+    assert fit.loss_routed == 3
+    fit.remove()
