@@ -334,7 +334,7 @@ class Fit:
         if free_gradients:
             bases.append(step_base(plan, paths, free_gradients=True))
         one, tensors = per_parameter_state_bytes(self.optimizer)
-        if not one:
+        if not one or self._managed():  # ts.manage places the state itself: never both
             return bases
         for base in list(bases):
             moved = step_base(plan, paths, free_gradients=base.free_gradients, offload_state=True)
@@ -488,10 +488,13 @@ class Fit:
             )
         )
 
-    def _state_where(self) -> str:
+    def _managed(self) -> bool:
         from tensorscope.manage import ManagedParameter
 
-        if any(isinstance(p, ManagedParameter) for p in self.model.parameters()):
+        return any(isinstance(p, ManagedParameter) for p in parameters_of(self.optimizer))
+
+    def _state_where(self) -> str:
+        if self._managed():
             return "managed by ts.manage: the residency manager's tiers under its own budget"
         base = self.decision.chosen.base if self.decision is not None else None
         if base is not None and base.state_offloaded and self._states is not None:

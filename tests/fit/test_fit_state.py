@@ -139,3 +139,27 @@ def test_a_failed_write_leaves_the_state_in_memory_and_warns() -> None:
     assert opt.state[lin.weight]["exp_avg"].device.type == "meta"
     store.close()
     assert torch.equal(opt.state[lin.weight]["exp_avg"], before["exp_avg"])
+
+
+def test_a_managed_model_keeps_its_optimizer_state_with_the_residency_manager() -> None:
+    # ts.manage places optimizer state made for managed parameters itself: ts.fit must not
+    # also move it (its bytes may be on the manager's disk tier, not at data_ptr())
+    budget = int(_tight_budget("gpt2", "adamw", None) * 1.3)
+    ts.residency.configure(device="cpu", policy="flow", budget="400KiB", offload_dir=None)
+    try:
+        model = tiny("gpt2")
+        ref = twin(model)
+        handle = ts.manage(model)
+        opt, ropt = optimizer("adamw", model), optimizer("adamw", ref)
+        fit = ts.fit(model, opt, budget=budget)
+        mine, theirs = batches("gpt2"), batches("gpt2")
+        for i in range(4):
+            assert step(model, opt, next(mine), seed=i) == step(ref, ropt, next(theirs), seed=i)
+        assert fit.decision is not None
+        assert not any(c.base.state_offloaded for c in fit.decision.candidates)
+        assert "managed by ts.manage" in fit.explain()
+        fit.remove()
+        handle.remove()
+        assert not differing(model, ref)
+    finally:
+        ts.residency.configure(device="cpu", policy="flow", budget=None, offload_dir=None)
