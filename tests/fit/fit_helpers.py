@@ -82,6 +82,31 @@ def tiny(name: str) -> nn.Module:
     raise ValueError(name)
 
 
+BIG_VOCAB = 4096  # 4 x 32 tokens x 4096 x 4 bytes = 2 MiB of logits: ts.fit routes the loss
+
+
+def big_vocabulary(name: str) -> nn.Module:
+    """A 2-layer GPT-2 or Llama with a BIG_VOCAB vocabulary (random weights), in train() mode."""
+    import transformers as tf
+
+    torch.manual_seed(0)
+    if name == "gpt2":
+        cfg: Any = tf.GPT2Config(
+            n_layer=2, n_embd=32, n_head=4, vocab_size=BIG_VOCAB, n_positions=64, use_cache=False
+        )
+        return tf.GPT2LMHeadModel(cfg).train()
+    cfg = tf.LlamaConfig(
+        num_hidden_layers=2,
+        hidden_size=32,
+        intermediate_size=64,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=BIG_VOCAB,
+        use_cache=False,
+    )
+    return tf.LlamaForCausalLM(cfg).train()
+
+
 def batches(name: str, seq: int = SEQ) -> Iterator[dict[str, torch.Tensor]]:
     """The same endless stream of batches for a model and its twin."""
     g = torch.Generator().manual_seed(1)

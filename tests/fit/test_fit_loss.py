@@ -16,7 +16,7 @@ import tensorscope as ts
 from tensorscope.fit import loss as loss_module
 from tensorscope.fit.loss import LossMode, in_place_cross_entropy
 
-from .fit_helpers import differing, step, twin
+from .fit_helpers import BIG_VOCAB, big_vocabulary, differing, step, twin
 
 
 @settings(max_examples=30, deadline=None)
@@ -95,26 +95,8 @@ def test_the_mode_routes_only_the_plain_form() -> None:
 
 @pytest.mark.parametrize("name", ["gpt2", "llama"])
 def test_fit_routes_a_large_vocabulary_loss_and_trains_like_plain(name: str) -> None:
-    import transformers as tf
-
-    torch.manual_seed(0)
-    vocab = 4096  # 4 x 32 tokens x 4096 x 4 bytes = 2 MiB of logits
-    if name == "gpt2":
-        cfg: Any = tf.GPT2Config(
-            n_layer=2, n_embd=32, n_head=4, vocab_size=vocab, n_positions=64, use_cache=False
-        )
-        model: Any = tf.GPT2LMHeadModel(cfg).train()
-    else:
-        cfg = tf.LlamaConfig(
-            num_hidden_layers=2,
-            hidden_size=32,
-            intermediate_size=64,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            vocab_size=vocab,
-            use_cache=False,
-        )
-        model = tf.LlamaForCausalLM(cfg).train()
+    vocab = BIG_VOCAB
+    model = big_vocabulary(name)
     ref = twin(model)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     ropt = torch.optim.AdamW(ref.parameters(), lr=1e-3)
@@ -152,20 +134,14 @@ def test_half_precision_logits_give_the_same_bits(autocast: bool) -> None:
 
 
 def test_fit_under_autocast_trains_like_plain() -> None:
-    import transformers as tf
-
-    torch.manual_seed(0)
-    cfg = tf.GPT2Config(
-        n_layer=2, n_embd=32, n_head=4, vocab_size=4096, n_positions=64, use_cache=False
-    )
-    model = tf.GPT2LMHeadModel(cfg).train()
+    model = big_vocabulary("gpt2")
     ref = twin(model)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     ropt = torch.optim.AdamW(ref.parameters(), lr=1e-3)
     fit = ts.fit(model, opt, budget="1GiB")
     g = torch.Generator().manual_seed(1)
     for i in range(3):
-        ids = torch.randint(0, 4096, (4, 32), generator=g)
+        ids = torch.randint(0, BIG_VOCAB, (4, 32), generator=g)
         losses = []
         for net, o in ((model, opt), (ref, ropt)):
             torch.manual_seed(i)

@@ -7,7 +7,7 @@ from typing import Any
 import pytest
 import torch
 
-from .fit_helpers import VOCAB, differing, plain_peak, tiny
+from .fit_helpers import BIG_VOCAB, VOCAB, big_vocabulary, differing, plain_peak, tiny
 
 transformers = pytest.importorskip("transformers")
 
@@ -24,18 +24,10 @@ class Rows(torch.utils.data.Dataset[dict[str, torch.Tensor]]):
         return {"input_ids": self.ids[i], "labels": self.ids[i]}
 
 
-def big_vocabulary_gpt2() -> torch.nn.Module:
-    torch.manual_seed(0)
-    cfg = transformers.GPT2Config(
-        n_layer=2, n_embd=32, n_head=4, vocab_size=4096, n_positions=64, use_cache=False
-    )
-    return transformers.GPT2LMHeadModel(cfg).train()
-
-
 def train(
     tmp: Any, callbacks: list[Any], max_grad_norm: float, vocab: int = VOCAB
 ) -> torch.nn.Module:
-    model = tiny("gpt2") if vocab == VOCAB else big_vocabulary_gpt2()
+    model = tiny("gpt2") if vocab == VOCAB else big_vocabulary("gpt2")
     args = transformers.TrainingArguments(
         output_dir=str(tmp),
         per_device_train_batch_size=4,
@@ -83,7 +75,7 @@ def test_trainer_loss_runs_in_place_and_trains_like_plain(tmp_path: Any) -> None
     from tensorscope.integrations.transformers import FitCallback
 
     callback = FitCallback(budget="1GiB")
-    fitted = train(tmp_path / "fit", [callback], 1.0, vocab=4096)
-    plain = train(tmp_path / "plain", [], 1.0, vocab=4096)
+    fitted = train(tmp_path / "fit", [callback], 1.0, vocab=BIG_VOCAB)
+    plain = train(tmp_path / "plain", [], 1.0, vocab=BIG_VOCAB)
     assert differing(fitted, plain) == []
     assert callback.fit is not None and callback.fit.loss_routed == 5
