@@ -9,23 +9,17 @@ explain() says why; recomputation and the optimizer state's offload still apply.
 from __future__ import annotations
 
 import os
-import socket
 from typing import Any
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 import tensorscope as ts
 
+from ._ranks import run_two_ranks
+
 STEPS = 4
-
-
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
 
 
 class _Block(torch.nn.Module):
@@ -87,15 +81,7 @@ def _worker(rank: int, port: int, results: Any) -> None:
 
 @pytest.mark.slow
 def test_fit_under_ddp_trains_like_plain_ddp() -> None:
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    port = _free_port()
-    procs = [ctx.Process(target=_worker, args=(r, port, results)) for r in range(2)]
-    for p in procs:
-        p.start()
-    got = dict(results.get(timeout=300) for _ in procs)
-    for p in procs:
-        p.join(timeout=60)
+    got = run_two_ranks(_worker, timeout=300)
     for rank in range(2):
         outcome = got[rank]
         assert isinstance(outcome, dict), outcome
