@@ -12,6 +12,7 @@ from collections.abc import Collection
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from tensorscope.fit.rows import block_bytes, row_ranges
 from tensorscope.plan.data import CATEGORIES
 from tensorscope.plan.whatif import Interval, Position, _free_gradients, _Intervals, peak_of
 
@@ -42,7 +43,9 @@ __all__ = ["StepBase", "chain_ops", "step_base"]
 # With the optimizer state in the next tier between updates (fit/statestore.py), the state is
 # resident only while the optimizer step runs (gradients kept: from the step's first op on) or,
 # with gradients freed at their update, each parameter's state only at its update (where
-# what_if's model moved it; a parameter that gets no gradient is never read back).
+# what_if's model moved it; a parameter that gets no gradient is never read back). A parameter
+# whose state is split in row blocks (fit/rows.py) is then updated one block at a time: its
+# state and its update's temporaries count one block each.
 
 _ACTIVATION_LIKE = ("activation", "temporary", "other")
 
@@ -84,6 +87,17 @@ class StepBase:
     def state_bytes(self) -> int:
         """Parameters, gradients and optimizer state together."""
         return self.parameter_bytes + self.gradient_bytes + self.optimizer_state_bytes
+
+
+def _updated_in_rows(plan: MemoryPlan, block: int) -> set[int]:
+    """The parameters (lifetime indices) whose optimizer state the store splits in rows."""
+    return {
+        life.owner
+        for life in plan.lifetimes
+        if life.category == "optimizer_state"
+        and life.owner >= 0
+        and len(row_ranges(life.shape, life.nbytes, block)) > 1
+    }
 
 
 def _in_chain(block: str, paths: Collection[str]) -> bool:
@@ -138,10 +152,13 @@ def step_base(
     *,
     free_gradients: bool = False,
     offload_state: bool = False,
+    state_block: int = 0,
 ) -> StepBase:
     """The step's memory outside the chain whose blocks ran as ``paths`` (none: no chain);
     ``offload_state``: the optimizer state is in the next tier between updates (NOTE [the step
-    around the chain]).
+    around the chain]); ``state_block`` (with both): a parameter whose state is split in row
+    blocks of that many bytes (fit/rows.py) is updated one block at a time, so its state and its
+    update's temporaries count one block each.
 
     Example:
         >>> from tensorscope.plan.model import Lifetime, MemoryPlan, OpInfo
@@ -186,8 +203,12 @@ def step_base(
     largest = dict.fromkeys(("parameter", "gradient", "optimizer_state"), 0)
     step_start: Position = (plan.optimizer_steps[0][0] if plan.optimizer_steps else n, -2, 0)
     offloaded = 0
+    in_rows = _updated_in_rows(plan, state_block) if offload_state and free_gradients else set()
     for index, parts in state.parts.items():
         life = plan.lifetimes[index]
+        if life.owner in in_rows and life.category in ("optimizer_state", "temporary"):
+            held = block_bytes(life.shape, life.nbytes, state_block)
+            parts = [(a, b, min(c, held), d) for a, b, c, d in parts]
         if index in chain_made:  # the schedule's memory; what outlives the chain stays
             parts = [(max(a, after_chain), b, c, d) for a, b, c, d in parts if b > after_chain]
         elif life.category == "optimizer_state" and life.freed is None and parts:
@@ -198,7 +219,7 @@ def step_base(
                     start = parts[-1][0]
                     if start[1] == 1:
                         intervals.append(
-                            (start, (start[0], 2, 0), life.nbytes, rank[life.category])
+                            (start, (start[0], 2, 0), parts[-1][2], rank[life.category])
                         )
                     continue
                 first = step_start

@@ -38,7 +38,8 @@ from tensorscope.fit.inbackward import InBackward, parameters_of, unknown_optimi
 from tensorscope.fit.loss import LossMode
 from tensorscope.fit.offload_rules import Bandwidth
 from tensorscope.fit.report import Facts, explain
-from tensorscope.fit.statestore import StateStore, per_parameter_state_bytes
+from tensorscope.fit.rows import ROW_BLOCK_BYTES
+from tensorscope.fit.statestore import StateStore, per_parameter_state_bytes, row_safe
 from tensorscope.plan import hooks as plan_hooks
 from tensorscope.plan.mode import recorder_here
 from tensorscope.plan.model import MemoryPlan
@@ -336,12 +337,22 @@ class Fit:
         one, tensors = per_parameter_state_bytes(self.optimizer)
         if not one or self._managed():  # ts.manage places the state itself: never both
             return bases
+        block = ROW_BLOCK_BYTES if self._row_safe() else 0
         for base in list(bases):
-            moved = step_base(plan, paths, free_gradients=base.free_gradients, offload_state=True)
+            moved = step_base(
+                plan,
+                paths,
+                free_gradients=base.free_gradients,
+                offload_state=True,
+                state_block=block,
+            )
             if moved.offloaded_bytes:
                 seconds = self._state_bandwidth().seconds(moved.offloaded_bytes, tensors)
                 bases.append(dataclasses.replace(moved, seconds=moved.seconds + seconds))
         return bases
+
+    def _row_safe(self) -> bool:
+        return self.optimizer_note is None and row_safe(self.optimizer)
 
     def _state_bandwidth(self) -> Bandwidth:
         if self._bandwidth is None:
@@ -403,9 +414,12 @@ class Fit:
             self._error, self._state = exc, "failed"
             raise
         self.decision = decision
+        # NOTE [updates in row blocks] (statestore.py)
+        in_rows = decision.free_gradients and decision.chosen.base.state_offloaded
         if decision.chosen.base.state_offloaded:
             states = self._state_store()
             states.enabled = True
+            states.set_row_block(ROW_BLOCK_BYTES if in_rows and self._row_safe() else 0)
             states.spill(dict(self.optimizer.state))
         elif self._states is not None:
             self._states.disable()
@@ -414,6 +428,8 @@ class Fit:
         elif not decision.free_gradients and self._inb is not None:
             self._inb.remove()
             self._inb = None
+        if self._inb is not None:
+            self._inb.in_rows = self._states.update_in_rows if in_rows and self._states else None
         self._state = "run"
         self._after_at = self.steps + 1  # step +1 re-times the chain; the next is recorded
         self.plan_after = None

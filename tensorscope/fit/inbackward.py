@@ -5,7 +5,7 @@ optimizer object, its state and its hyperparameters. See NOTE [the update inside
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
@@ -78,6 +78,9 @@ class InBackward:
         self.optimizer = optimizer
         self.updates = 0
         self.updating = False
+        # runs a parameter's update block by block where its state is written in row blocks
+        # (statestore.py); returns False to leave the update whole
+        self.in_rows: Callable[[torch.Tensor, Callable[[torch.Tensor], None]], bool] | None = None
         self._handles: list[Any] = []
         seen: set[int] = set()
         for group in optimizer.param_groups:
@@ -111,8 +114,13 @@ class InBackward:
         """Apply ``p``'s update now and free its gradient (NOTE [the update inside backward])."""
         if p.grad is None:
             return
-        with self._only(p, group):
-            type(self.optimizer).step(self.optimizer)
+
+        def step_one(q: torch.Tensor) -> None:
+            with self._only(q, group):
+                type(self.optimizer).step(self.optimizer)
+
+        if self.in_rows is None or not self.in_rows(p, step_one):
+            step_one(p)
         p.grad = None
         self.updates += 1
 

@@ -6,16 +6,19 @@ state between updates].
 from __future__ import annotations
 
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from tensorscope.errors import FitWarning, ResidencyError
+from tensorscope.fit.inbackward import KNOWN_OPTIMIZERS
 from tensorscope.fit.offload_rules import Bandwidth
 from tensorscope.fit.offload_store import Store, make_store, measure_store
+from tensorscope.fit.rows import row_ranges
 
-__all__ = ["MIN_SPILL_BYTES", "StateStore", "per_parameter_state_bytes"]
+__all__ = ["MIN_SPILL_BYTES", "StateStore", "per_parameter_state_bytes", "row_safe"]
 
 # NOTE [optimizer state between updates]
 # After a parameter's update (the optimizer's step, or its per-parameter step inside backward),
@@ -35,6 +38,30 @@ __all__ = ["MIN_SPILL_BYTES", "StateStore", "per_parameter_state_bytes"]
 MIN_SPILL_BYTES = 4096
 
 
+# NOTE [updates in row blocks]
+# A state tensor larger than ROW_BLOCK_BYTES (a 50k-word embedding's AdamW moments: 147 MiB
+# each) is written out in blocks of whole rows (fit/rows.py). When the gradients are freed at
+# their update (one parameter's step at a time, fit/inbackward.py), such a parameter is updated
+# block by block: for each block, a view of the parameter's rows with the same rows of its
+# gradient is given to the user's optimizer (`param_groups` narrowed to it) with that block of
+# each state tensor read back, and a copy of the rest of the state (the `step` count); then the
+# block is written out again. The update holds one block of state and of the update's
+# temporaries instead of all of it. Only for optimizers whose update is elementwise
+# (KNOWN_OPTIMIZERS, not `fused`: the fused kernels round differently at a block's edges), where
+# the result is bit-identical to one whole update (tests/fit/test_fit_state.py). A block whose
+# write fails stays in memory (FitWarning), as a whole tensor does; a read that fails in the
+# middle leaves the earlier blocks updated and raises (the file was damaged behind our back).
+
+
+@dataclass
+class _Block:
+    start: int  # rows
+    stop: int
+    copy: Any  # in the store; None: kept in memory (its write failed)
+    nbytes: int
+    kept: torch.Tensor | None = None
+
+
 @dataclass
 class _Spilled:
     placeholder: torch.Tensor
@@ -43,6 +70,7 @@ class _Spilled:
     storage_offset: int
     dtype: torch.dtype
     device: torch.device
+    blocks: list[_Block] | None = None  # written in row blocks (then `copy` is None)
 
 
 def _spillable(value: Any) -> bool:
@@ -61,6 +89,28 @@ def _counted(value: Any) -> bool:  # spillable, or a placeholder of a spilled te
         and value.layout is torch.strided
         and value.nbytes >= MIN_SPILL_BYTES
         and not value.requires_grad
+    )
+
+
+def _in_rows(value: torch.Tensor, block: int) -> list[tuple[int, int]] | None:
+    """The row blocks ``value`` is written in (None: written whole)."""
+    if (
+        block <= 0
+        or value.dim() < 1
+        or not value.is_contiguous()
+        or value.storage_offset() != 0
+        or value.untyped_storage().nbytes() != value.nbytes
+    ):
+        return None
+    ranges = row_ranges(tuple(value.shape), value.nbytes, block)
+    return ranges if len(ranges) > 1 else None
+
+
+def row_safe(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether ``optimizer``'s update of a block of rows equals the same rows of a whole update
+    (NOTE [updates in row blocks])."""
+    return type(optimizer) in KNOWN_OPTIMIZERS and not any(
+        g.get("fused") or g.get("differentiable") for g in optimizer.param_groups
     )
 
 
@@ -104,6 +154,9 @@ class StateStore:
         self.bytes_written = 0
         self.bytes_read = 0
         self.write_errors = 0
+        self.row_block = 0  # > 0: tensors above it are written in row blocks of at most it
+        self.block_updates = 0  # parameters updated block by block
+        self._busy = False  # inside a block-by-block update: the optimizer's hooks stay out
         self._was_spilled = False  # at the last state_dict() call
         self._handles = [
             optimizer.register_step_pre_hook(self._before_step),
@@ -160,9 +213,14 @@ class StateStore:
             for key, value in list(values.items()):
                 if not _spillable(value):
                     continue
-                storage = value.untyped_storage()
                 store = self._store(value.device)
-                copy = store.finish(storage, store.begin(storage))  # raises: stays resident
+                storage = value.untyped_storage()
+                ranges = _in_rows(value, self.row_block)
+                copy = blocks = None
+                if ranges is None:
+                    copy = store.finish(storage, store.begin(storage))  # raises: stays resident
+                else:
+                    blocks = self._write_blocks(store, value, ranges)
                 placeholder = torch.empty_strided(
                     value.shape, value.stride(), dtype=value.dtype, device="meta"
                 )
@@ -173,26 +231,159 @@ class StateStore:
                     value.storage_offset(),
                     value.dtype,
                     value.device,
+                    blocks,
                 )
                 values[key] = placeholder
                 self.bytes_written += storage.nbytes()
 
-    def fetch(self, state: dict[Any, Any] | None = None) -> None:
-        """Read back the state of ``state``'s parameters (default: the current groups')."""
+    def set_row_block(self, block: int) -> None:
+        """Write tensors above ``block`` bytes in row blocks from now on (0: whole); what is
+        out already is rewritten, one parameter at a time."""
+        if block == self.row_block:
+            return
+        self.row_block = block
+        for p, values in list(self.optimizer.state.items()):
+            if any((id(p), key) in self._spilled for key in values):
+                self.fetch({p: values})
+                self._spill_or_warn({p: values})
+
+    def _write_blocks(
+        self, store: Store, value: torch.Tensor, ranges: list[tuple[int, int]]
+    ) -> list[_Block]:
+        blocks: list[_Block] = []
+        try:
+            for start, stop in ranges:
+                rows = value[start:stop].clone()  # a storage of its own, one block's bytes
+                storage = rows.untyped_storage()
+                copy = store.finish(storage, store.begin(storage))
+                blocks.append(_Block(start, stop, copy, storage.nbytes()))
+        except BaseException:
+            for block in blocks:
+                store.release(block.copy)
+            raise
+        return blocks
+
+    def _read_block(self, record: _Spilled, block: _Block) -> torch.Tensor:
+        if block.kept is not None:
+            return block.kept
+        store = self._store(record.device)
+        loaded = store.ready(store.read(block.copy, block.nbytes))
+        shape = (block.stop - block.start, *record.placeholder.shape[1:])
+        rows = torch.empty(0, dtype=record.dtype, device=record.device)
+        rows.set_(loaded, 0, shape, torch.empty(shape, device="meta").stride())
+        self.bytes_read += block.nbytes
+        return rows
+
+    def _release(self, record: _Spilled) -> None:
+        store = self._store(record.device)
+        if record.blocks is None:
+            store.release(record.copy)
+            return
+        for block in record.blocks:
+            if block.copy is not None:
+                store.release(block.copy)
+            block.copy = block.kept = None
+
+    def fetch(
+        self, state: dict[Any, Any] | None = None, skip: frozenset[str] = frozenset()
+    ) -> None:
+        """Read back the state of ``state``'s parameters (default: the current groups'), but
+        for the keys in ``skip``."""
         for p, values in (self._current() if state is None else state).items():
             for key, value in list(values.items()):
                 record = self._spilled.get((id(p), key))
-                if record is None:
+                if record is None or key in skip:
                     continue
-                store = self._store(record.device)
                 if value is record.placeholder:
-                    loaded = store.ready(store.read(record.copy, record.nbytes))
-                    tensor = torch.empty(0, dtype=record.dtype, device=record.device)
-                    tensor.set_(loaded, record.storage_offset, value.shape, value.stride())
-                    values[key] = tensor
-                    self.bytes_read += record.nbytes
+                    values[key] = self._read(record)
                 del self._spilled[(id(p), key)]  # replaced (load_state_dict): a stale record
-                store.release(record.copy)
+                self._release(record)
+
+    def _read(self, record: _Spilled) -> torch.Tensor:
+        value = record.placeholder
+        if record.blocks is not None:
+            whole = torch.empty(value.shape, dtype=record.dtype, device=record.device)
+            for block in record.blocks:
+                whole[block.start : block.stop].copy_(self._read_block(record, block))
+            return whole
+        store = self._store(record.device)
+        loaded = store.ready(store.read(record.copy, record.nbytes))
+        tensor = torch.empty(0, dtype=record.dtype, device=record.device)
+        tensor.set_(loaded, record.storage_offset, value.shape, value.stride())
+        self.bytes_read += record.nbytes
+        return tensor
+
+    def update_in_rows(self, p: torch.Tensor, step_one: Callable[[torch.Tensor], None]) -> bool:
+        """Run ``p``'s update block by block when its state is written in row blocks
+        (NOTE [updates in row blocks]); False when it is not (the caller updates it whole).
+
+        ``step_one(rows)`` runs the optimizer's step for the one parameter ``rows``."""
+        values = self.optimizer.state.get(p)
+        if not self.enabled or self.row_block <= 0 or not values or p.grad is None:
+            return False
+        split: dict[str, _Spilled] = {}
+        for key, value in values.items():
+            record = self._spilled.get((id(p), key))
+            if record is not None and record.blocks is not None and value is record.placeholder:
+                split[key] = record
+        if not split:
+            return False
+        bounds = [(b.start, b.stop) for b in next(iter(split.values())).blocks or ()]
+        if any([(b.start, b.stop) for b in r.blocks or ()] != bounds for r in split.values()):
+            return False
+        self.fetch({p: values}, skip=frozenset(split))
+        grad = p.grad
+        last: dict[str, Any] = {}
+        self._busy = True
+        try:
+            for i, (start, stop) in enumerate(bounds):
+                rows = p.detach()[start:stop]
+                rows.grad = grad[start:stop]
+                part: dict[str, Any] = {}
+                for key, value in values.items():
+                    if key in split:
+                        part[key] = self._read_block(split[key], split[key].blocks[i])  # type: ignore[index]
+                    elif isinstance(value, torch.Tensor) and value.dim() and value.shape == p.shape:
+                        part[key] = value[start:stop]  # kept in memory: updated in place
+                    elif isinstance(value, torch.Tensor):
+                        part[key] = value.clone()  # each block starts from the same count
+                    else:
+                        part[key] = value
+                self.optimizer.state[rows] = part
+                try:
+                    step_one(rows)
+                finally:
+                    del self.optimizer.state[rows]
+                for key, record in split.items():
+                    self._rewrite_block(record, record.blocks[i], part[key])  # type: ignore[index]
+                for key, value in values.items():
+                    if key in split or part[key] is value:
+                        continue
+                    if isinstance(value, torch.Tensor) and value.dim() and value.shape == p.shape:
+                        value[start:stop].copy_(part[key])  # the optimizer replaced the view
+                    else:
+                        last[key] = part[key]
+        finally:
+            self._busy = False
+        values.update(last)
+        self.block_updates += 1
+        self._spill_or_warn({p: values})  # what was read back whole goes out again
+        return True
+
+    def _rewrite_block(self, record: _Spilled, block: _Block, rows: torch.Tensor) -> None:
+        store = self._store(record.device)
+        if block.copy is not None:
+            store.release(block.copy)
+            block.copy = None
+        if rows.untyped_storage().nbytes() != rows.nbytes or not rows.is_contiguous():
+            rows = rows.contiguous().clone()
+        try:
+            storage = rows.untyped_storage()
+            block.copy, block.kept = store.finish(storage, store.begin(storage)), None
+            self.bytes_written += block.nbytes
+        except (OSError, ResidencyError) as exc:
+            block.kept = rows
+            self._warn(exc)
 
     def fetch_all(self) -> None:
         """Read back every parameter's state."""
@@ -208,20 +399,23 @@ class StateStore:
         """Write out the state just updated (called after the optimizer's step, or after one
         parameter's step inside backward). A failed write warns and leaves that state resident
         (the update is done: raising out of ``optimizer.step()`` would invite a second one)."""
-        if self.enabled:
+        if self.enabled and not self._busy:
             self._spill_or_warn(None)
 
     def _spill_or_warn(self, state: dict[Any, Any] | None) -> None:
         try:
             self.spill(state)
         except (OSError, ResidencyError) as exc:
-            self.write_errors += 1
-            warnings.warn(
-                f"tensorscope.fit: the optimizer state could not be written to the {self.tier} "
-                f"tier ({exc}); it stays in memory for this step (above the plan's peak)",
-                FitWarning,
-                stacklevel=2,
-            )
+            self._warn(exc)
+
+    def _warn(self, exc: BaseException) -> None:
+        self.write_errors += 1
+        warnings.warn(
+            f"tensorscope.fit: the optimizer state could not be written to the {self.tier} "
+            f"tier ({exc}); it stays in memory for this step (above the plan's peak)",
+            FitWarning,
+            stacklevel=3,
+        )
 
     def _before_state_dict(self, optimizer: Any) -> None:
         self._was_spilled = bool(self._spilled)
