@@ -1,8 +1,10 @@
-"""``ts.fit`` against plain training and HF gradient checkpointing (issue 17's table).
+"""``ts.fit`` against plain training and its peers (issue 17's table).
 
 Model: transformers GPT-2 built from a config with random weights (default: the 124M shape,
 12 x 768, 12 heads, 50257-token vocabulary, batch 2 x 256; ``--quick``: 6 x 256, 4 heads, an
-8192-token vocabulary, batch 8 x 128), fp32, dropout on, no KV cache, ``torch.optim.AdamW``,
+8192-token vocabulary, batch 8 x 128) or, with ``--model llama``, a Llama of SmolLM-135M's shape
+(30 x 576, 9 heads over 3 key/value heads, tied 49152-token vocabulary, batch 2 x 256;
+``--quick``: 6 x 256, vocabulary 8192, batch 8 x 128), fp32, dropout on, no KV cache, ``torch.optim.AdamW``,
 ``loss = model(ids, labels=ids).loss``; the user's loop: forward, backward, ``opt.step()``,
 ``opt.zero_grad()``.
 
@@ -11,6 +13,14 @@ Variants, each in a fresh process (this script with ``--worker``):
 * ``plain``: the step as is.
 * ``hf1``: ``model.gradient_checkpointing_enable()`` (every block recomputed once).
 * ``hf2``: the same on every second block (``gradient_checkpointing`` off on the others).
+* ``hf1ob``: ``hf1`` plus optimizer-in-backward as PyTorch's tutorial writes it (one AdamW per
+  parameter, stepped in ``register_post_accumulate_grad_hook``; the loop calls no ``opt.step()``).
+* ``hf1disk``: ``hf1`` (reentrant, so that each block's input is a saved tensor) plus
+  ``saved_tensors_hooks`` that write every saved tensor of 1 MiB or more that is not a parameter
+  to a file (``torch.save``/``torch.load``, as PyTorch's autograd-hooks tutorial does).
+* ``cmp50`` / ``cmp25``: ``torch.compile(model)`` with ``torch._functorch.config.
+  activation_memory_budget`` 0.5 / 0.25 (the min-cut partitioner's knapsack; compiling happens in
+  the warm-up steps, losses differ from eager's in the last bits).
 * ``ts60`` / ``ts40`` / ``ts30`` / ``ts25``: ``ts.fit(model, opt, budget=...)`` at 60% / 40% /
   30% / 25% of plain's step memory (the peak of its tensors, parameters and AdamW's state
   included, as ``ts.record`` counts it; plain's worker measures it first).
@@ -24,40 +34,75 @@ its RSS before the model was built; ``tensors``: a recorded step's tensor peak (
 ts.fit, ``fit.plan_after``); the losses of every step, compared with plain's bit for bit.
 
     python benchmarks/fit_training.py --quick
+    python benchmarks/fit_training.py --model llama --steps 1
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import itertools
+import os
 import statistics
 import sys
+import tempfile
 import time
 from typing import Any
 
 import _offload_common as common
 
-VARIANTS = ("plain", "hf1", "hf2", "ts60", "tshf1", "ts40", "ts30", "ts25")
+VARIANTS = (
+    "plain",
+    "hf1",
+    "hf2",
+    "hf1ob",
+    "hf1disk",
+    "cmp50",
+    "cmp25",
+    "ts60",
+    "tshf1",
+    "ts40",
+    "ts30",
+    "ts25",
+)
+PEERS = ("plain", "hf1", "hf2", "hf1ob", "hf1disk", "cmp50", "cmp25")
+COMPILE_BUDGETS = {"cmp50": 0.5, "cmp25": 0.25}
 BUDGETS = {"ts60": 0.6, "ts40": 0.4, "ts30": 0.3, "ts25": 0.25}
 
 
-def _config(quick: bool) -> dict[str, Any]:
+def _config(quick: bool, model: str) -> dict[str, Any]:
+    if model == "llama":
+        # SmolLM-135M's shape: 30 x 576, 9 heads over 3 key/value heads, tied 49152-token vocabulary
+        if quick:
+            return {"model": model, "layers": 6, "hidden": 256, "heads": 4, "kv_heads": 2,
+                    "ffn": 688, "vocab": 8192, "batch": 8, "seq": 128}  # fmt: skip
+        return {"model": model, "layers": 30, "hidden": 576, "heads": 9, "kv_heads": 3,
+                "ffn": 1536, "vocab": 49152, "batch": 2, "seq": 256}  # fmt: skip
     if quick:
-        return {"layers": 6, "hidden": 256, "heads": 4, "vocab": 8192, "batch": 8, "seq": 128}
-    return {"layers": 12, "hidden": 768, "heads": 12, "vocab": 50257, "batch": 2, "seq": 256}
+        return {"model": model, "layers": 6, "hidden": 256, "heads": 4, "vocab": 8192,
+                "batch": 8, "seq": 128}  # fmt: skip
+    return {"model": model, "layers": 12, "hidden": 768, "heads": 12, "vocab": 50257,
+            "batch": 2, "seq": 256}  # fmt: skip
 
 
-def _worker(cfg: dict[str, Any]) -> dict[str, Any]:
-    import torch
+def _model(shape: dict[str, Any]) -> Any:
     import transformers as tf
 
-    import tensorscope as ts
-
-    common.warm_up_runtime()
-    common.settle_memory()
-    base_rss = common.rss_bytes()
-    torch.manual_seed(0)
-    shape = cfg["shape"]
-    model = tf.GPT2LMHeadModel(
+    if shape["model"] == "llama":
+        return tf.LlamaForCausalLM(
+            tf.LlamaConfig(
+                num_hidden_layers=shape["layers"],
+                hidden_size=shape["hidden"],
+                num_attention_heads=shape["heads"],
+                num_key_value_heads=shape["kv_heads"],
+                intermediate_size=shape["ffn"],
+                vocab_size=shape["vocab"],
+                max_position_embeddings=max(2048, shape["seq"]),
+                tie_word_embeddings=True,
+                use_cache=False,
+            )
+        )
+    return tf.GPT2LMHeadModel(
         tf.GPT2Config(
             n_layer=shape["layers"],
             n_embd=shape["hidden"],
@@ -66,15 +111,41 @@ def _worker(cfg: dict[str, Any]) -> dict[str, Any]:
             n_positions=max(1024, shape["seq"]),
             use_cache=False,
         )
-    ).train()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    )
+
+
+def _worker(cfg: dict[str, Any]) -> dict[str, Any]:
+    import torch
+
+    import tensorscope as ts
+
+    common.warm_up_runtime()
+    common.settle_memory()
+    base_rss = common.rss_bytes()
+    torch.manual_seed(0)
+    shape = cfg["shape"]
+    model = _model(shape).train()
+    opt: Any = torch.optim.AdamW(model.parameters(), lr=1e-4)
     variant = cfg["variant"]
     fit = None
+    hooks: Any = contextlib.nullcontext()
+    run: Any = model
     if variant.startswith("hf"):
-        model.gradient_checkpointing_enable()
+        reentrant = {"use_reentrant": True} if variant == "hf1disk" else None
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=reentrant)
         if variant == "hf2":
-            for k, block in enumerate(model.transformer.h):
+            blocks = getattr(model.base_model, "h", None) or model.base_model.layers
+            for k, block in enumerate(blocks):
                 block.gradient_checkpointing = k % 2 == 0
+        if variant == "hf1ob":
+            opt = _optimizer_in_backward(model)
+        if variant == "hf1disk":
+            hooks = _disk_hooks(model, cfg["tmp"])
+    elif variant in COMPILE_BUDGETS:
+        import torch._functorch.config as functorch_config
+
+        functorch_config.activation_memory_budget = COMPILE_BUDGETS[variant]
+        run = torch.compile(model)
     elif variant in BUDGETS:
         fit = ts.fit(model, opt, budget=int(cfg["plain_tensors"] * BUDGETS[variant]))
     elif variant == "tshf1":
@@ -90,7 +161,8 @@ def _worker(cfg: dict[str, Any]) -> dict[str, Any]:
 
     def step(ids: torch.Tensor, k: int) -> None:
         torch.manual_seed(k)
-        loss = model(ids, labels=ids).loss
+        with hooks:
+            loss = run(ids, labels=ids).loss
         loss.backward()
         opt.step()
         opt.zero_grad()
@@ -98,7 +170,7 @@ def _worker(cfg: dict[str, Any]) -> dict[str, Any]:
 
     tensors = None
     for k in range(cfg["warmup"]):
-        if variant in ("plain", "hf1", "hf2") and k == cfg["warmup"] - 1:
+        if variant in PEERS and k == cfg["warmup"] - 1:
             with ts.record() as rec:
                 step(batches[k], k)
             tensors = rec.plan().peak_bytes
@@ -130,6 +202,53 @@ def _worker(cfg: dict[str, Any]) -> dict[str, Any]:
     return result
 
 
+class _NoStep:
+    """The loop's ``opt`` when updates run inside backward: ``step``, ``zero_grad`` do nothing."""
+
+    def step(self) -> None:
+        pass
+
+    def zero_grad(self) -> None:
+        pass
+
+
+def _optimizer_in_backward(model: Any) -> _NoStep:
+    import torch
+
+    per_param = {p: torch.optim.AdamW([p], lr=1e-4) for p in model.parameters()}
+
+    def update(p: torch.Tensor) -> None:
+        per_param[p].step()
+        per_param[p].zero_grad()
+
+    for p in model.parameters():
+        p.register_post_accumulate_grad_hook(update)
+    return _NoStep()
+
+
+def _disk_hooks(model: Any, directory: str) -> Any:
+    import torch
+
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    names = itertools.count()
+
+    def pack(t: torch.Tensor) -> Any:
+        if t.nbytes < 2**20 or t.untyped_storage().data_ptr() in params:
+            return t
+        path = os.path.join(directory, f"{next(names)}.pt")
+        torch.save(t, path)
+        return path
+
+    def unpack(packed: Any) -> torch.Tensor:
+        if not isinstance(packed, str):
+            return packed  # type: ignore[no-any-return]
+        t = torch.load(packed, weights_only=True)
+        os.remove(packed)
+        return t  # type: ignore[no-any-return]
+
+    return torch.autograd.graph.saved_tensors_hooks(pack, unpack)
+
+
 def _pareto(results: dict[str, dict[str, Any]], path: str) -> None:
     """Tensor peak against step time (x plain) per variant: tensorscope's points and the peers'."""
     import matplotlib
@@ -148,7 +267,7 @@ def _pareto(results: dict[str, dict[str, Any]], path: str) -> None:
         ax.annotate(variant, (x, y), textcoords="offset points", xytext=(5, 4), fontsize=8)
     ax.set_xlabel("step time (x plain)")
     ax.set_ylabel("tensor peak (MiB)")
-    ax.set_title("ts.fit (circles) vs plain and HF checkpointing (squares)")
+    ax.set_title("ts.fit (circles) vs plain and the peers (squares)")
     ax.grid(alpha=0.3)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -160,6 +279,9 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     parser.add_argument("--quick", action="store_true", help="the small shape")
+    parser.add_argument(
+        "--model", choices=("gpt2", "llama"), default="gpt2", help="llama: SmolLM-135M's shape"
+    )
     parser.add_argument("--warmup", type=int, default=4)
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--variants", default=",".join(VARIANTS))
@@ -178,13 +300,15 @@ def main() -> int:
         return common.worker_main(_worker, args.worker)
     variants = common.parse_variants(args.variants, VARIANTS)
     base = {
-        "shape": _config(args.quick),
+        "shape": _config(args.quick, args.model),
         "warmup": max(4, args.warmup),
         "steps": args.steps,
         "png_dir": args.png,
     }
     print(f"shape {base['shape']}, warmup {base['warmup']}, steps {base['steps']}")
     results: dict[str, dict[str, Any]] = {}
+    spill = tempfile.TemporaryDirectory(prefix="fit-bench-")
+    base["tmp"] = spill.name
     plain = common.run_worker(__file__, {**base, "variant": "plain"}, args.timeout)
     if not plain.ok:
         print(f"plain failed: {plain.error}")
