@@ -4,9 +4,9 @@ Model: transformers GPT-2 built from a config with random weights (default: the 
 12 x 768, 12 heads, 50257-token vocabulary, batch 2 x 256; ``--quick``: 6 x 256, 4 heads, an
 8192-token vocabulary, batch 8 x 128) or, with ``--model llama``, a Llama of SmolLM-135M's shape
 (30 x 576, 9 heads over 3 key/value heads, tied 49152-token vocabulary, batch 2 x 256;
-``--quick``: 6 x 256, vocabulary 8192, batch 8 x 128), fp32, dropout on, no KV cache, ``torch.optim.AdamW``,
-``loss = model(ids, labels=ids).loss``; the user's loop: forward, backward, ``opt.step()``,
-``opt.zero_grad()``.
+``--quick``: 6 x 256, vocabulary 8192, batch 8 x 128), fp32, dropout on, no KV cache,
+``torch.optim.AdamW``, ``loss = model(ids, labels=ids).loss``; the user's loop: forward,
+backward, ``opt.step()``, ``opt.zero_grad()``.
 
 Variants, each in a fresh process (this script with ``--worker``):
 

@@ -12,7 +12,7 @@ from collections.abc import Sequence
 
 __all__ = ["ROW_BLOCK_BYTES", "block_bytes", "row_ranges"]
 
-ROW_BLOCK_BYTES = 16 << 20
+ROW_BLOCK_BYTES = 4 << 20
 
 
 def row_ranges(

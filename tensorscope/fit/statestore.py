@@ -39,7 +39,7 @@ MIN_SPILL_BYTES = 4096
 
 
 # NOTE [updates in row blocks]
-# A state tensor larger than ROW_BLOCK_BYTES (a 50k-word embedding's AdamW moments: 147 MiB
+# A state tensor larger than ROW_BLOCK_BYTES (4 MiB; a 50k-word embedding's AdamW moments: 147 MiB
 # each) is written out in blocks of whole rows (fit/rows.py). When the gradients are freed at
 # their update (one parameter's step at a time, fit/inbackward.py), such a parameter is updated
 # block by block: for each block, a view of the parameter's rows with the same rows of its
