@@ -514,11 +514,14 @@ class Fit:
             return "managed by ts.manage: the residency manager's tiers under its own budget"
         base = self.decision.chosen.base if self.decision is not None else None
         if base is not None and base.state_offloaded and self._states is not None:
-            when = (
-                "one parameter's read back for its update inside backward"
-                if base.free_gradients
-                else "read back for optimizer.step()"
-            )
+            when = "read back for optimizer.step()"
+            if base.free_gradients:
+                when = "one parameter's read back for its update inside backward"
+                if self._states.row_block:
+                    when += (
+                        f", state above {format_bytes(self._states.row_block)} a block of rows "
+                        f"at a time ({self._states.block_updates} such updates so far)"
+                    )
             return (
                 f"parameters and gradients resident on the device; optimizer state in the "
                 f"{self._states.tier} tier between updates ({when}; "

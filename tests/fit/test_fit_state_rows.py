@@ -113,6 +113,7 @@ def test_fit_updates_a_big_embedding_in_row_blocks_when_only_that_fits(
     d = fit.decision
     assert d is not None and d.free_gradients and d.chosen.base.state_offloaded
     assert fit._states is not None and fit._states.block_updates > 0
+    assert "64.0 KiB a block of rows at a time" in fit.explain()
     assert fit.plan_after is not None and fit.plan_after.peak_bytes <= budget
     sa, sb = opt.state_dict()["state"], ropt.state_dict()["state"]
     for k in sb:
