@@ -28,8 +28,14 @@ from tensorscope._engine import FAST
 from tensorscope._sites import capture_site, site_verdicts
 from tensorscope._slot import ACTIVE
 from tensorscope._state import STATES, Counters, Owner, RefState, on_ref_death, register_ref
-from tensorscope._thread import CURRENT_SCOPE, ThreadState, owning_scope, thread_state
-from tensorscope._torch import ORIGINAL_FROMBUFFER, treat_as_plain_for_tracing
+from tensorscope._thread import (
+    CURRENT_SCOPE,
+    NATIVE_OPS,
+    ThreadState,
+    owning_scope,
+    thread_state,
+)
+from tensorscope._torch import ORIGINAL_FROMBUFFER, graph_task_id, treat_as_plain_for_tracing
 from tensorscope.ref import TensorRef, release_pending, stock_stand_ins, unown_buffer
 
 __all__ = [
@@ -42,7 +48,7 @@ __all__ = [
     "settle",
 ]
 
-PLAIN, MUTATING, GRAD_CANDIDATE, RECORD_ENTER, RECORD_EXIT = 0, 1, 2, 5, 6
+PLAIN, MUTATING, GRAD_CANDIDATE, ALIAS, RECORD_ENTER, RECORD_EXIT = 0, 1, 2, 3, 5, 6
 _KINDS: dict[Any, int] = {}
 _GRAD_MAKERS = {
     "aten::detach",
@@ -53,11 +59,21 @@ _GRAD_MAKERS = {
 }
 
 
+# ``detach`` and ``alias`` outside autograd's engine run unseen (no bytes read, none made):
+# torch's C functions make ``nn.Parameter``s (``_make_subclass``) and subclasses from such
+# aliases with the mode stack stashed, so the mode never saw them there; the C++ op path, a
+# dispatch key that no stash hides, passes them through likewise (csrc/managed.cpp). Inside
+# autograd's engine ``detach`` may be a ``.grad`` in the making (``GRAD_CANDIDATE``).
+_ALIASES = {"aten::detach", "aten::alias"}
+
+
 def _classify(func: Any) -> int:
     schema = func._schema
     kind = PLAIN
     if any(r.alias_info is not None and r.alias_info.is_write for r in schema.returns):
         kind = MUTATING
+    elif schema.name in _ALIASES:
+        kind = ALIAS
     elif schema.name in _GRAD_MAKERS:
         kind = GRAD_CANDIDATE
     elif schema.name == "profiler::_record_function_enter_new":
@@ -98,6 +114,10 @@ class Interceptor(TorchDispatchMode):  # type: ignore[no-untyped-call]
         kind = _KINDS.get(func)
         if kind is None:
             kind = _classify(func)
+        if kind == ALIAS:
+            if graph_task_id() == -1:
+                return func._op(*args, **kwargs) if kwargs else func._op(*args)
+            kind = GRAD_CANDIDATE if func._schema.name == "aten::detach" else PLAIN
         if ACTIVE:
             # Results of ops on managed tensors are managed inside scopes and optimizer steps.
             due = state.unowned_depth > 0 or self._scope() is not None
@@ -111,6 +131,8 @@ class Interceptor(TorchDispatchMode):  # type: ignore[no-untyped-call]
                 state.unowned_depth += optimizer
             elif state.regions and state.regions.pop():
                 state.unowned_depth -= 1
+            if NATIVE_OPS:
+                FAST.res_due(state.unowned_depth > 0)
         return out
 
     def _scope(self) -> Owner | None:
@@ -199,6 +221,8 @@ def acquire(state: ThreadState, *, residency: bool = False) -> None:
         state.residency_users += 1
     else:
         state.scope_users += 1
+        if NATIVE_OPS:  # results of ops on managed tensors may be due: the Python op path
+            FAST.res_counter("scopes", 1)
     if state.mode is None:
         state.mode = Interceptor(state)
     state.sync()
@@ -213,8 +237,10 @@ def release(state: ThreadState, *, residency: bool = False) -> None:
     """
     if residency:
         state.residency_users = max(0, state.residency_users - 1)
-    else:
-        state.scope_users = max(0, state.scope_users - 1)
+    elif state.scope_users > 0:
+        state.scope_users -= 1
+        if NATIVE_OPS:
+            FAST.res_counter("scopes", -1)
     settle(state)
 
 

@@ -17,6 +17,7 @@ from collections.abc import Hashable
 import torch
 
 from tensorscope._torch import storage_use_count
+from tensorscope.residency import native
 from tensorscope.residency.mapping import DiskRegion
 from tensorscope.residency.tiers import TierName
 
@@ -84,6 +85,7 @@ class Placement:
         else:
             torch.cuda.current_stream().wait_event(pending)
         self.pending = None
+        native.publish(self)  # on the fast path again (if managed still)
 
     def __repr__(self) -> str:
         return f"<Placement #{self.uid} {self.nbytes} B on {self.tier}>"
