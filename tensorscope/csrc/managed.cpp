@@ -28,7 +28,9 @@
 #include <c10/core/impl/LocalDispatchKeySet.h>
 #include <c10/util/SmallVector.h>
 #include <torch/csrc/Exceptions.h>
+#include <torch/csrc/autograd/functions/accumulate_grad.h>
 #include <torch/csrc/autograd/graph_task.h>
+#include <torch/csrc/autograd/node.h>
 #include <torch/library.h>
 
 #include <time.h>
@@ -265,8 +267,16 @@ void fallback(const c10::OperatorHandle& op, c10::DispatchKeySet keys, torch::ji
       }
     }
     if (managed.empty()) {
-      if (kind == kGradCandidate && in_backward) fast = false;  // maybe a managed .grad
-      else fast = true;
+      fast = true;
+      if (kind == kGradCandidate && in_backward) {  // a managed parameter's .grad in the making?
+        const auto node = torch::autograd::get_current_node();
+        const auto* accumulate = dynamic_cast<const torch::autograd::AccumulateGrad*>(node.get());
+        if (accumulate != nullptr && accumulate->variable.defined() &&
+            accumulate->variable.has_storage()) {
+          const void* key = accumulate->variable.storage().unsafeGetStorageImpl();
+          fast = g_entries.find(key) == g_entries.end();
+        }
+      }
     } else {
       fast = fast && kind != kMutating && !(kind == kGradCandidate && in_backward) && !tl_due &&
              g_policy_ok.load(std::memory_order_relaxed) &&
