@@ -350,9 +350,15 @@ PyObject* res_setup(PyObject*, PyObject* args) {
 PyObject* res_set(PyObject*, PyObject* args) {
   unsigned long long key;
   long long uid;
-  int fast, on_device, fd;
-  if (!PyArg_ParseTuple(args, "KLppi", &key, &uid, &fast, &on_device, &fd)) return nullptr;
+  int fast, on_device, fd, create = 1;
+  if (!PyArg_ParseTuple(args, "KLppi|p", &key, &uid, &fast, &on_device, &fd, &create)) {
+    return nullptr;
+  }
   std::lock_guard<std::mutex> lock(g_mu);
+  if (!create) {
+    const auto found = g_entries.find(reinterpret_cast<const void*>(key));
+    if (found == g_entries.end() || found->second.uid != uid) Py_RETURN_NONE;
+  }
   auto [it, added] = g_entries.try_emplace(reinterpret_cast<const void*>(key));
   Entry& entry = it->second;
   if (!added && !entry.on_device) g_off_device.fetch_sub(1);
@@ -513,7 +519,8 @@ PyObject* res_drain(PyObject*, PyObject*) {
 
 PyMethodDef residency_methods[] = {
     {"res_setup", res_setup, METH_VARARGS, "res_setup(push, pop, resolve, flush)"},
-    {"res_set", res_set, METH_VARARGS, "res_set(key, uid, fast, on_device, fd): a placement"},
+    {"res_set", res_set, METH_VARARGS,
+     "res_set(key, uid, fast, on_device, fd, create=True): a placement's state"},
     {"res_drop", res_drop, METH_O, "res_drop(key) -> bool: forget a placement unless pinned"},
     {"res_claim", res_claim, METH_O, "res_claim(key) -> bool: off the fast path unless pinned"},
     {"res_arena", res_arena, METH_VARARGS, "res_arena(fd, high, canary, ok) or res_arena(fd)"},

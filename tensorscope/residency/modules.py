@@ -241,6 +241,8 @@ class ModuleSupport:
                 if reason is not None:
                     poisoned.append((placement, reason))
             self.sweep()
+            if native.ENGINE is not None:
+                native.ENGINE.res_drain()  # this thread's unreplayed fast ops: forgotten too
             self.ledger = Ledger()
             self._recorders.clear()
             self.order.clear()

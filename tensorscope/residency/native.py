@@ -76,9 +76,9 @@ def _flags() -> None:
         ENGINE.res_flags(_state["policy_ok"], _state["disabled"])
 
 
-def publish(placement: Any) -> None:
+def publish(placement: Any, create: bool = True) -> None:
     """Mirror ``placement``'s state into the engine's table (after any change of its tier,
-    region or pending prefetch)."""
+    region or pending prefetch); ``create=False``: only if it is in the table already."""
     if ENGINE is None:
         return
     on_device = placement.tier == "device"
@@ -94,7 +94,7 @@ def publish(placement: Any) -> None:
             arena(file)
         else:
             fast = False  # a checkpoint file: its check is Python's
-    ENGINE.res_set(placement.key, placement.uid, fast, on_device, fd)
+    ENGINE.res_set(placement.key, placement.uid, fast, on_device, fd, create)
 
 
 def drop(placement: Any) -> None:
