@@ -30,6 +30,7 @@ class Placement:
     """Where one managed storage's bytes are."""
 
     __slots__ = (
+        "_region",
         "group",
         "host",
         "key",
@@ -37,7 +38,6 @@ class Placement:
         "nbytes",
         "owner",
         "pending",
-        "_region",
         "pins",
         "restore",
         "role",
