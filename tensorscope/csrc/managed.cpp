@@ -484,37 +484,75 @@ PyObject* op_object(const LogEntry& entry) {  // borrowed
   return result;
 }
 
-// res_drain() -> None or [(op, (uid, ...), clock), ...]: this thread's fast ops since the last
-// drain, oldest first.
+// res_drain() -> None or (ops, uids, clocks, last): this thread's fast ops since the last drain,
+// oldest first: their OpOverloads, their placement uids (one tuple per distinct operand list),
+// their time.perf_counter() clocks, and for each uid the index of its last use.
 PyObject* res_drain(PyObject*, PyObject*) {
   if (tl_log.entries.empty()) Py_RETURN_NONE;
   std::vector<LogEntry> entries;
   entries.swap(tl_log.entries);
-  PyObject* out = PyList_New(static_cast<Py_ssize_t>(entries.size()));
-  if (out == nullptr) return nullptr;
-  for (size_t i = 0; i < entries.size(); ++i) {
-    const LogEntry& entry = entries[i];
+  const auto count = static_cast<Py_ssize_t>(entries.size());
+  PyObject* ops = PyList_New(count);
+  PyObject* uids = PyList_New(count);
+  PyObject* clocks = PyList_New(count);
+  PyObject* last = PyDict_New();
+  auto fail = [&]() -> PyObject* {
+    Py_XDECREF(ops);
+    Py_XDECREF(uids);
+    Py_XDECREF(clocks);
+    Py_XDECREF(last);
+    return nullptr;
+  };
+  if (ops == nullptr || uids == nullptr || clocks == nullptr || last == nullptr) return fail();
+  std::unordered_map<std::string, PyObject*> tuples;  // borrowed: each is in `uids`
+  for (Py_ssize_t i = 0; i < count; ++i) {
+    const LogEntry& entry = entries[static_cast<size_t>(i)];
     PyObject* op = g_resolve != nullptr ? op_object(entry) : Py_None;
-    if (op == nullptr) {
-      Py_DECREF(out);
-      return nullptr;
+    if (op == nullptr) return fail();
+    Py_INCREF(op);
+    PyList_SET_ITEM(ops, i, op);
+    const std::string bytes(reinterpret_cast<const char*>(entry.uids.data()),
+                            entry.uids.size() * sizeof(int64_t));
+    auto found = tuples.find(bytes);
+    PyObject* tuple;
+    if (found != tuples.end()) {
+      tuple = found->second;
+      Py_INCREF(tuple);
+    } else {
+      tuple = PyTuple_New(static_cast<Py_ssize_t>(entry.uids.size()));
+      if (tuple == nullptr) return fail();
+      for (size_t j = 0; j < entry.uids.size(); ++j) {
+        PyObject* uid = PyLong_FromLongLong(entry.uids[j]);
+        if (uid == nullptr) {
+          Py_DECREF(tuple);
+          return fail();
+        }
+        PyTuple_SET_ITEM(tuple, j, uid);
+      }
+      tuples.emplace(bytes, tuple);
     }
-    PyObject* uids = PyTuple_New(static_cast<Py_ssize_t>(entry.uids.size()));
-    if (uids == nullptr) {
-      Py_DECREF(out);
-      return nullptr;
-    }
-    for (size_t j = 0; j < entry.uids.size(); ++j) {
-      PyTuple_SET_ITEM(uids, j, PyLong_FromLongLong(entry.uids[j]));
-    }
-    PyObject* item = Py_BuildValue("(ONd)", op, uids, entry.at);
-    if (item == nullptr) {
-      Py_DECREF(out);
-      return nullptr;
-    }
-    PyList_SET_ITEM(out, i, item);
+    PyList_SET_ITEM(uids, i, tuple);
+    PyObject* clock = PyFloat_FromDouble(entry.at);
+    if (clock == nullptr) return fail();
+    PyList_SET_ITEM(clocks, i, clock);
   }
-  return out;
+  for (Py_ssize_t i = count - 1; i >= 0; --i) {
+    PyObject* tuple = PyList_GET_ITEM(uids, i);
+    for (Py_ssize_t j = 0; j < PyTuple_GET_SIZE(tuple); ++j) {
+      PyObject* uid = PyTuple_GET_ITEM(tuple, j);
+      const int has = PyDict_Contains(last, uid);
+      if (has < 0) return fail();
+      if (has == 0) {
+        PyObject* index = PyLong_FromSsize_t(i);
+        if (index == nullptr || PyDict_SetItem(last, uid, index) < 0) {
+          Py_XDECREF(index);
+          return fail();
+        }
+        Py_DECREF(index);
+      }
+    }
+  }
+  return Py_BuildValue("(NNNN)", ops, uids, clocks, last);
 }
 
 PyMethodDef residency_methods[] = {
@@ -529,7 +567,8 @@ PyMethodDef residency_methods[] = {
     {"res_excluded", res_excluded, METH_O, "res_excluded(on) -> previous"},
     {"res_counter", res_counter, METH_VARARGS, "res_counter(name, delta) -> new value"},
     {"res_flags", res_flags, METH_VARARGS, "res_flags(policy_ok, disabled)"},
-    {"res_drain", res_drain, METH_NOARGS, "res_drain() -> this thread's fast ops, or None"},
+    {"res_drain", res_drain, METH_NOARGS,
+     "res_drain() -> None or (ops, uids, clocks, last): this thread's fast ops"},
     {nullptr, nullptr, 0, nullptr},
 };
 

@@ -429,41 +429,51 @@ class ResidencyManager(ModuleSupport):
         engine = native.ENGINE
         if engine is None:
             return
-        batch = engine.res_drain()
-        if batch is None:
+        drained = engine.res_drain()
+        if drained is None:
             return
+        funcs, uids, clocks, last = drained
         with self._lock:
             by_uid = self.ledger.by_uid
             # Roles resolved first (a sweep while replaying may forget a placement used later),
-            # once per distinct operand tuple.
-            roles_of: dict[tuple[int, ...], tuple[Hashable, ...]] = {}
-            for _, uids, _ in batch:
-                if uids not in roles_of:
-                    roles_of[uids] = tuple(by_uid[u].role for u in uids if u in by_uid)
-            recorder = self.recorder()
-            record = recorder.record
-            advance = self.order.advance
+            # once per distinct operand tuple (the engine gives equal tuples as one object).
+            roles_of: dict[int, tuple[Hashable, ...]] = {}
+            for operands in uids:
+                if id(operands) not in roles_of:
+                    roles_of[id(operands)] = tuple(by_uid[u].role for u in operands if u in by_uid)
+            roles = [roles_of[id(operands)] for operands in uids]
             stalled = self.pace.clock_at(0.0)
-            last: dict[int, int] = {}
+            times = [at + stalled for at in clocks] if stalled else clocks
+            recorder = self.recorder()
+            starts = recorder.record_many(funcs, roles, times)
+            # The module order's cursor only moves forward within an iteration: advancing it
+            # over a stretch of ops at once ends where advancing op by op does. Sweeps: the op
+            # path sweeps every _SWEEP_EVERY ops and at each iteration's start; a sweep forgets
+            # what nothing holds, so one sweep at the end forgets what those would have.
+            count = len(roles)
+            since = self._since_sweep
+            sweep_due = False
+            begin = 0
+            for cut in [*starts, count]:
+                if cut > begin:
+                    self.order.advance({r for op in roles[begin:cut] for r in op})
+                    counted = cut - begin
+                    if begin in starts:  # that op's iteration_end() swept
+                        since, counted = 0, counted - 1
+                    sweep_due = sweep_due or since + counted >= _SWEEP_EVERY
+                    since = (since + counted) % _SWEEP_EVERY
+                if cut < count:
+                    self.iteration_end()  # the op at `cut` began a new iteration
+                begin = cut
             clock = self.clock
-            for func, uids, at in batch:
-                clock += 1
-                roles = roles_of[uids]
-                iterations = recorder.iterations
-                record(func, roles, at + stalled)
-                if recorder.iterations != iterations:
-                    self.iteration_end()  # a repeated forward began a new iteration
-                advance(roles)
-                for uid in uids:
-                    last[uid] = clock
-            self.clock = clock
-            for uid, when in last.items():
+            for uid, index in last.items():
                 placement = by_uid.get(uid)
                 if placement is not None:
-                    placement.last_use = when
-            self._since_sweep += len(batch)
-            if self._since_sweep >= _SWEEP_EVERY:
+                    placement.last_use = clock + index + 1
+            self.clock = clock + count
+            if sweep_due:
                 self.sweep()
+            self._since_sweep = since
 
     def iteration_boundary(self) -> None:
         """End of an iteration (an optimizer step): the trace so far predicts the next one."""
