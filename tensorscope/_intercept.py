@@ -4,7 +4,10 @@
 # Scopes own results on the DeferredInit key (_adopt.py's NOTE): above Autograd, top-level ops
 # only. The residency manager must see every decomposed op on managed tensors, their backward
 # and the optimizer's ops, so it routes a thread's ops through this ``TorchDispatchMode``, pushed
-# while the manager manages something on that thread and popped when it stops.
+# while the manager manages something on that thread and popped when it stops. With the C++
+# engine the mode is not left pushed: the engine's Fake-key fallback sees the same ops, runs the
+# resident ones natively and pushes this mode for one op at a time for the rest
+# (csrc/managed.cpp, residency/native.py, docs/design.md §12).
 #
 # NOTE [hot path]
 # Every op pays for this handler, so it does the least it can: one dict lookup classifies the op
