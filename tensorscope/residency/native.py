@@ -86,10 +86,9 @@ def publish(placement: Any, create: bool = True) -> None:
     fd = -1
     region = placement.region
     if fast and region is not None and placement.storage.device.type == "cpu":
-        from tensorscope.residency.disk import Arena
-
         file = region.file
-        if isinstance(file, Arena) and file.cut is None and not region.readonly:
+        # An offload arena (disk.Arena: a canary after its data) and not a checkpoint file.
+        if getattr(file, "_canary", None) is not None and file.cut is None and not region.readonly:
             fd = file.fd
             arena(file)
         else:
