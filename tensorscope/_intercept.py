@@ -7,7 +7,7 @@
 # while the manager manages something on that thread and popped when it stops. With the C++
 # engine the mode is not left pushed: the engine's Fake-key fallback sees the same ops, runs the
 # resident ones natively and pushes this mode for one op at a time for the rest
-# (csrc/managed.cpp, residency/native.py, docs/design.md §12).
+# (csrc/managed.cpp, residency/native.py, docs/design.md §14).
 #
 # NOTE [hot path]
 # Every op pays for this handler, so it does the least it can: one dict lookup classifies the op

@@ -1,4 +1,4 @@
-// The residency manager's op path in C++: the resident fast path (docs/design.md §12).
+// The residency manager's op path in C++: the resident fast path (docs/design.md §14).
 //
 // While ts.manage() routes a thread's ops, the Fake dispatch key is in that thread's included
 // key set (instead of the manager's Python dispatch mode being pushed), and this boxed fallback

@@ -1,4 +1,4 @@
-"""The C++ op path's view of the ledger (csrc/managed.cpp; docs/design.md §12).
+"""The C++ op path's view of the ledger (csrc/managed.cpp; docs/design.md §14).
 
 With the C++ engine, a thread's ops go through a native kernel (on the Fake dispatch key)
 instead of the Interceptor mode. It runs an op with no Python at all when every managed operand
