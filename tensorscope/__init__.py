@@ -3,11 +3,14 @@
 Public names only (see docs/api.md); no logic here.
 """
 
+from typing import TYPE_CHECKING, Any
+
 from tensorscope import checkpoint
 from tensorscope.empty_init import empty_init
 from tensorscope.errors import (
     ArgumentTypeError,
     DisposedTensorError,
+    FitWarning,
     InvalidArgumentError,
     LeakWarning,
     OutOfBudgetError,
@@ -19,6 +22,7 @@ from tensorscope.errors import (
     ScopeError,
     TensorScopeError,
 )
+from tensorscope.fit import fit
 from tensorscope.manage import ManagedModule, ManagedParameter, manage
 from tensorscope.plan import MemoryPlan, record
 from tensorscope.policies import Flow, Genoa, Policy
@@ -36,6 +40,9 @@ from tensorscope.scope import (
     stats,
 )
 
+if TYPE_CHECKING:
+    from tensorscope.fit.handle import Fit
+
 __version__ = "0.1.0"
 
 __all__ = [
@@ -43,6 +50,8 @@ __all__ = [
     "DisposeScope",
     "DisposedTensor",
     "DisposedTensorError",
+    "Fit",
+    "FitWarning",
     "Flow",
     "Genoa",
     "InvalidArgumentError",
@@ -71,6 +80,7 @@ __all__ = [
     "dispose_everything",
     "dispose_everything_but",
     "empty_init",
+    "fit",
     "manage",
     "record",
     "ref",
@@ -79,3 +89,13 @@ __all__ = [
     "scope",
     "stats",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    # NOTE [a light import]: ts.fit is a small function; the machinery behind it (and the Fit
+    # class) is imported at its first use.
+    if name == "Fit":
+        from tensorscope.fit.handle import Fit
+
+        return Fit
+    raise AttributeError(f"module 'tensorscope' has no attribute {name!r}")

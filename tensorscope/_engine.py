@@ -27,7 +27,7 @@ def _load() -> Any:
     try:
         import torch  # noqa: F401  (the extension links against torch's libraries)
 
-        from tensorscope import _fast  # type: ignore[attr-defined]
+        from tensorscope import _fast  # type: ignore[attr-defined, unused-ignore]
     except ImportError:
         return None
     return _fast

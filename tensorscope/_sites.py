@@ -128,6 +128,7 @@ def _state_maker_codes() -> set[CodeType]:
 # and bytecode every time (CPython does not cache it), an id costs nothing.
 _verdicts: dict[CodeType, int] = dict.fromkeys(_state_maker_codes(), _STATE_MAKER)
 _by_id: dict[int, int] = {id(code): verdict for code, verdict in _verdicts.items()}
+_unhashable: list[CodeType] = []
 
 
 def mark_state_maker(function: Any) -> None:
@@ -150,7 +151,11 @@ def _classify(code: CodeType) -> int:
         verdict = _PACKAGE
     else:
         verdict = _USER
-    _verdicts[code] = _by_id[id(code)] = verdict
+    _by_id[id(code)] = verdict
+    try:
+        _verdicts[code] = verdict
+    except TypeError:  # a constant that cannot be hashed (torch.compile's resume functions)
+        _unhashable.append(code)  # kept alive all the same: its id stays its own
     return verdict
 
 

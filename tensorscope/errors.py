@@ -4,7 +4,7 @@ Every error tensorscope raises derives from :class:`TensorScopeError`, and also 
 exception a PyTorch user would expect (``RuntimeError``, ``MemoryError``, ``ValueError``,
 ``TypeError``), so existing ``except`` clauses keep working. Messages start with the subsystem
 (``tensorscope.scope:``, ``tensorscope.residency:``, ``tensorscope.checkpoint:``,
-``tensorscope.plan:``), state the
+``tensorscope.plan:``, ``tensorscope.fit:``), state the
 values involved with human-readable sizes, and say how to fix the problem.
 
 This module imports nothing: it is layer 0.
@@ -15,6 +15,7 @@ from __future__ import annotations
 __all__ = [
     "ArgumentTypeError",
     "DisposedTensorError",
+    "FitWarning",
     "InvalidArgumentError",
     "LeakWarning",
     "OutOfBudgetError",
@@ -78,6 +79,11 @@ class PlanFileError(PlanError, OSError):
 
 class ResidencyWarning(UserWarning):
     """Something went wrong behind the residency manager's back (an offload file truncated)."""
+
+
+class FitWarning(UserWarning):
+    """``ts.fit`` measured a step above its budget (the measuring first step, or a prediction
+    that fell short); it says what it does about it."""
 
 
 class LeakWarning(UserWarning):

@@ -115,35 +115,8 @@ class _Run:
             self.plain.pop(k, None)
             self.outs.pop(k, None)
 
-    @contextlib.contextmanager
-    def _rerun_guard(self, k: int) -> Iterator[None]:
-        plan = self.plan
-        first = k not in self.ran
-        self.ran.add(k)
-        if first:
-            if k in plan.replay_rng:
-                cuda = torch.cuda.get_rng_state(self.device) if self.device.type == "cuda" else None
-                self.rng[k] = (torch.get_rng_state(), cuda)
-            yield
-            return
-        saved_cpu = torch.get_rng_state()
-        saved_cuda = torch.cuda.get_rng_state(self.device) if self.device.type == "cuda" else None
-        tracked = [bn for bn in plan.batchnorms[k] if bn.training and bn.track_running_stats]
-        try:
-            if k in self.rng:
-                cpu, cuda = self.rng[k]
-                torch.set_rng_state(cpu)
-                if cuda is not None:
-                    torch.cuda.set_rng_state(cuda, self.device)
-            for bn in tracked:
-                bn.track_running_stats = False
-            yield
-        finally:
-            for bn in tracked:
-                bn.track_running_stats = True
-            torch.set_rng_state(saved_cpu)
-            if saved_cuda is not None:
-                torch.cuda.set_rng_state(saved_cuda, self.device)
+    def _rerun_guard(self, k: int) -> contextlib.AbstractContextManager[None]:
+        return rerun_guard(self.plan, self.ran, self.rng, self.device, k)
 
     def forward_op(self, kind: str, k: int) -> None:
         layer = self.plan.layers[k]
@@ -340,3 +313,38 @@ class Executor:
                     params.append(p)
         out: torch.Tensor = _ScheduleFunction.apply(self.plan, x, *params)  # type: ignore[no-untyped-call]
         return out
+
+
+@contextlib.contextmanager
+def rerun_guard(
+    plan: Any, ran: set[int], rng: dict[int, Any], device: torch.device, k: int
+) -> Iterator[None]:
+    """Block ``k``'s forward: the first run saves its RNG state (where it draws random
+    numbers); a rerun replays that state and leaves BatchNorm running statistics alone, then
+    restores the RNG state it found. Shared by the Sequential executor and block chains."""
+    first = k not in ran
+    ran.add(k)
+    if first:
+        if k in plan.replay_rng:
+            cuda = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
+            rng[k] = (torch.get_rng_state(), cuda)
+        yield
+        return
+    saved_cpu = torch.get_rng_state()
+    saved_cuda = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
+    tracked = [bn for bn in plan.batchnorms[k] if bn.training and bn.track_running_stats]
+    try:
+        if k in rng:
+            cpu, cuda = rng[k]
+            torch.set_rng_state(cpu)
+            if cuda is not None:
+                torch.cuda.set_rng_state(cuda, device)
+        for bn in tracked:
+            bn.track_running_stats = False
+        yield
+    finally:
+        for bn in tracked:
+            bn.track_running_stats = True
+        torch.set_rng_state(saved_cpu)
+        if saved_cuda is not None:
+            torch.cuda.set_rng_state(saved_cuda, device)

@@ -2,16 +2,34 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Protocol
 
 from tensorscope._units import format_bytes
-from tensorscope.checkpoint.chain import FORWARD_KINDS, Schedule, format_ops
+from tensorscope.checkpoint.chain import FORWARD_KINDS, Chain, Schedule, format_ops
 from tensorscope.checkpoint.solver import min_memory, store_all_memory
 
 if TYPE_CHECKING:
-    from tensorscope.checkpoint.module import Checkpointable
+    from tensorscope.checkpoint.profile import Profile
 
-__all__ = ["explain", "layer_roles"]
+__all__ = ["Explainable", "explain", "layer_roles"]
+
+
+class Explainable(Protocol):
+    """What :func:`explain` reads: ``Checkpointable`` and ``CheckpointedChain`` have it."""
+
+    @property
+    def stages(self) -> Sequence[object]: ...
+
+    profile: Profile | None
+    schedule: Schedule | None
+    mem_limit: int | None
+    solved_limit: int | None
+    reserved_nbytes: int
+    slots: int
+
+    def chain(self) -> Chain: ...
+
 
 _ROLE = {
     "Fe": "kept with autograd",
@@ -43,16 +61,25 @@ def _ms(seconds: float) -> str:
     return f"{seconds * 1e3:.3g} ms"
 
 
-def explain(module: Checkpointable) -> str:
-    """The text behind :meth:`Checkpointable.explain`."""
+_RESERVED = (
+    "the scalar loss and its gradient; saved random states of layers that draw random numbers"
+)
+
+
+def explain(
+    module: Explainable,
+    *,
+    title: str = "Checkpointable",
+    unit: str = "layer",
+    reserved_what: str = _RESERVED,
+    unmeasured: str = "call measure(sample_input) or run one training step",
+) -> str:
+    """The text behind :meth:`Checkpointable.explain` (and ``CheckpointedChain.explain``)."""
     n = len(module.stages)
-    head = f"Checkpointable: {n} layer{'s' if n != 1 else ''}"
+    head = f"{title}: {n} {unit}{'s' if n != 1 else ''}"
     if module.profile is None or module.schedule is None:
         given = "default" if module.mem_limit is None else format_bytes(module.mem_limit)
-        return (
-            f"{head}, mem_limit {given}; not measured yet: call measure(sample_input) or run "
-            f"one training step"
-        )
+        return f"{head}, mem_limit {given}; not measured yet: {unmeasured}"
     chain = module.chain()
     sched = module.schedule
     top = store_all_memory(chain) + module.reserved_nbytes
@@ -80,10 +107,9 @@ def explain(module: Checkpointable) -> str:
     ]
     if module.reserved_nbytes:
         lines.append(
-            f"reserved inside the limit: {format_bytes(module.reserved_nbytes)} (the scalar "
-            f"loss and its gradient; saved random states of layers that draw random numbers)"
+            f"reserved inside the limit: {format_bytes(module.reserved_nbytes)} ({reserved_what})"
         )
-    lines.append(f"{'layer':>5}  {'module':<18} {'output':>10} {'w/ autograd':>11}  first forward")
+    lines.append(f"{unit:>5}  {'module':<18} {'output':>10} {'w/ autograd':>11}  first forward")
     for k, (kind, runs) in enumerate(layer_roles(sched, n)):
         name = module.profile.layers[k].name[:18]
         again = f", recomputed {runs - 1}x" if runs > 1 else ""

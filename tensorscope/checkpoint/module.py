@@ -58,7 +58,8 @@ class Checkpointable(nn.Module):
     Args:
         model: an ``nn.Sequential`` (nested Sequentials are flattened); each layer maps one
             tensor to one tensor and must not modify its input in place (an in-place layer is
-            fused with the layer before it).
+            fused with the layer before it). A model's ``nn.ModuleList`` of blocks (HF
+            ``model.model.layers``) goes to :func:`checkpoint_chain` instead.
         mem_limit: bytes (``int``) or a string such as ``"2GiB"``; ``None``: free device
             memory on CUDA, no limit on CPU.
         slots: the solver measures memory in ``mem_limit / slots`` units (the schedule is then
@@ -68,7 +69,8 @@ class Checkpointable(nn.Module):
         repeats: timed runs per layer when measuring.
 
     Raises:
-        ArgumentTypeError: ``model`` is not an ``nn.Sequential``.
+        ArgumentTypeError: ``model`` is not an ``nn.Sequential`` (for an ``nn.ModuleList``
+            the message names ``checkpoint_chain``).
         InvalidArgumentError: ``mem_limit`` cannot be parsed, or the model has no layer.
 
     Example:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 
 import torch
@@ -114,11 +114,23 @@ def flatten(model: nn.Module) -> list[nn.Module]:
         >>> [type(m).__name__ for m in flatten(seq)]
         ['Linear', 'ReLU', 'Linear']
     """
+    if isinstance(model, nn.ModuleList):
+        # a list of blocks is looped over by its model's forward, which must keep running:
+        # checkpoint_chain routes the blocks' calls instead of replacing a forward
+        raise ArgumentTypeError(
+            f"tensorscope.checkpoint: Checkpointable needs an nn.Sequential, got a ModuleList "
+            f"of {len(model)} blocks. A list of blocks is checkpointed by passing it to "
+            f"checkpoint_chain(model.model.layers, mem_limit=...) (or checkpoint_chain(model, "
+            f"...), which finds it): it returns a handle with the same compute_sequence(), "
+            f"explain() and schedule while the model's own forward runs."
+        )
     if not isinstance(model, nn.Sequential):
         raise ArgumentTypeError(
             f"tensorscope.checkpoint: Checkpointable needs an nn.Sequential, got "
-            f"{type(model).__name__}. Rewrite the model's forward as a sequence of modules, "
-            f"each taking and returning one tensor: nn.Sequential(layer1, layer2, ...)."
+            f"{type(model).__name__}. For a model that calls a list of blocks in its own "
+            f"forward (HF model.layers), use checkpoint_chain(model, mem_limit=...); otherwise "
+            f"rewrite the forward as modules each taking and returning one tensor: "
+            f"nn.Sequential(layer1, layer2, ...)."
         )
     out: list[nn.Module] = []
     for child in model:
@@ -130,8 +142,9 @@ def _storage_nbytes(t: torch.Tensor) -> int:
     return int(t.untyped_storage().nbytes())
 
 
-class _Meter:
-    """Live/peak bytes relative to a mark: StorageTracker on CPU, CUDA stats on CUDA."""
+class Meter:
+    """Live/peak bytes relative to a mark: StorageTracker on CPU, CUDA stats on CUDA (the
+    measuring window of profile.py and of the block probe, blockprobe.py)."""
 
     def __init__(self, device: torch.device) -> None:
         self.cuda = device.type == "cuda"
@@ -139,13 +152,22 @@ class _Meter:
         self.tracker = None if self.cuda else StorageTracker()
 
     @contextmanager
+    def tracking(self) -> Iterator[None]:
+        """Count the storages made inside (the tracker pushed for the block only)."""
+        with self.tracker if self.tracker is not None else nullcontext():
+            yield
+
+    @contextmanager
     def active(self) -> Iterator[None]:
-        if self.tracker is None:
+        """As :meth:`tracking`, then stop watching the storages still alive."""
+        with self.tracking():
             yield
-            return
-        with self.tracker:
-            yield
-        self.tracker.close()
+        self.close()
+
+    def close(self) -> None:
+        """Stop watching the storages still alive."""
+        if self.tracker is not None:
+            self.tracker.close()
 
     def mark(self) -> int:
         if self.tracker is None:
@@ -203,7 +225,7 @@ def _rng_state(device: torch.device) -> list[torch.Tensor]:
     return states
 
 
-def _measure_memory(k: int, layer: nn.Module, x: torch.Tensor, meter: _Meter) -> _Sizes:
+def _measure_memory(k: int, layer: nn.Module, x: torch.Tensor, meter: Meter) -> _Sizes:
     version = x._version
     rng_before = _rng_state(x.device)
     base = meter.mark()
@@ -332,7 +354,7 @@ def measure(
     if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
         raise InvalidArgumentError(f"tensorscope.checkpoint: repeats must be >= 1; got {repeats!r}")
     device = sample_input.device
-    meter = _Meter(device)
+    meter = Meter(device)
     sizes: list[_Sizes] = []
     times: list[tuple[float, float]] = []
     with _no_trace(layers, device):

@@ -236,7 +236,9 @@ long verdict_of(PyObject* code) {
   if (known != nullptr) {
     verdict = PyLong_AsLong(known);
   } else {
-    if (PyErr_Occurred()) throw_python_error();
+    // An unhashable constant (torch.compile's resume functions): classify keeps it by id.
+    if (PyErr_Occurred() && !PyErr_ExceptionMatches(PyExc_TypeError)) throw_python_error();
+    PyErr_Clear();
     Ref computed(checked(PyObject_CallOneArg(g_classify, code)));  // also kept in _verdicts
     verdict = PyLong_AsLong(computed.get());
   }

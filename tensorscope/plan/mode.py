@@ -64,9 +64,16 @@ _compiling = torch.compiler.is_compiling
 
 def recorder_here() -> Recorder | None:
     """The recording open on this thread; in autograd's engine on another thread (CUDA's device
-    threads run the backward of a step recorded on the main thread), the one open recording."""
+    threads run the backward of a step recorded on the main thread), the one open recording.
+    Only autograd's own threads (made in C++: Python sees a dummy thread) borrow it: a user's
+    thread running its own backward beside a recording must not add its model to that step."""
     rec = OPEN.get(threading.get_ident())
-    if rec is None and len(OPEN) == 1 and graph_task_id() != -1:
+    if (
+        rec is None
+        and len(OPEN) == 1
+        and graph_task_id() != -1
+        and isinstance(threading.current_thread(), threading._DummyThread)
+    ):
         rec = next(iter(OPEN.values()))
     return rec
 

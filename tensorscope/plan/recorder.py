@@ -249,13 +249,16 @@ class Recorder:
         for index in reversed(self.stack):  # calls still open (an exception): end them now
             self.calls[index].end = self.n_ops
             self.calls[index].end_s = self.end_s
-        texts: dict[Site, int] = {None: 0}
+        texts: dict[object, int] = {None: 0}
         sites = [""]
 
         def site_index(site: Site) -> int:
-            found = texts.get(site)
+            # By the code objects' ids (alive in self.ops): a code object need not be hashable
+            # (torch.compile's resume functions hold dicts among their constants).
+            key = None if site is None else tuple(x if type(x) is int else id(x) for x in site)
+            found = texts.get(key)
             if found is None:
-                found = texts[site] = len(sites)
+                found = texts[key] = len(sites)
                 sites.append(site_text(site))
             return found
 

@@ -17,6 +17,10 @@ MODULES = [
     "tensorscope.checkpoint.executor",
     "tensorscope.checkpoint.module",
     "tensorscope.checkpoint.explain",
+    "tensorscope.checkpoint.find",
+    "tensorscope.checkpoint.calls",
+    "tensorscope.checkpoint.blockprobe",
+    "tensorscope.checkpoint.blocks",
 ]
 
 

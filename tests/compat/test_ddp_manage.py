@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import sys
 from pathlib import Path
 from typing import Any
@@ -26,6 +25,8 @@ import torch
 from torch import nn
 
 import tensorscope as ts
+
+from ._ranks import free_port
 
 # ~20 s here: two processes import torch, and DDP's constructor imports torch._dynamo (~4 s).
 pytestmark = [
@@ -146,16 +147,10 @@ def _worker(rank: int, init: str, out: str) -> None:
     Path(out, f"{rank}.json").write_text(json.dumps(results))
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 @pytest.fixture(scope="module")
 def results(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
     out = tmp_path_factory.mktemp("ddp")
-    init = f"tcp://127.0.0.1:{_free_port()}"
+    init = f"tcp://127.0.0.1:{free_port()}"
     env = os.environ.get("OMP_NUM_THREADS")
     os.environ["OMP_NUM_THREADS"] = "1"
     try:

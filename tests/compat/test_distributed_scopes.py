@@ -11,23 +11,17 @@ from __future__ import annotations
 
 import contextlib
 import os
-import socket
 from typing import Any
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 import tensorscope as ts
 
+from ._ranks import run_two_ranks
+
 STEPS = 4
-
-
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
 
 
 def _model() -> torch.nn.Module:
@@ -80,19 +74,7 @@ def _worker(rank: int, port: int, results: Any) -> None:
 
 @pytest.mark.slow
 def test_ddp_and_fsdp2_train_the_same_in_scopes() -> None:
-    context = mp.get_context("spawn")
-    results = context.Queue()
-    port = _free_port()
-    workers = [context.Process(target=_worker, args=(rank, port, results)) for rank in (0, 1)]
-    for worker in workers:
-        worker.start()
-    try:
-        outcomes = dict(results.get(timeout=180) for _ in workers)
-    finally:
-        for worker in workers:
-            worker.join(timeout=30)
-            if worker.is_alive():
-                worker.kill()
+    outcomes = run_two_ranks(_worker)
     for rank, outcome in outcomes.items():
         assert isinstance(outcome, dict), f"rank {rank} failed: {outcome}"
         for kind in ("ddp", "fsdp"):

@@ -42,3 +42,30 @@ def test_a_tensor_made_by_user_code_names_one_line() -> None:
         assert s.tracked()
     with pytest.raises(ts.DisposedTensorError, match=rf"created at {THIS_FILE}:\d+, was disposed"):
         made_here + 1
+
+
+def _made_in_code_with_an_unhashable_constant() -> torch.Tensor:
+    return torch.ones(2) * 3
+
+
+# torch.compile's resume functions (a graph break) carry constants that cannot be hashed; their
+# frames were met by the site walk of a scope and of ts.record and raised TypeError.
+_made_in_code_with_an_unhashable_constant.__code__ = (
+    _made_in_code_with_an_unhashable_constant.__code__.replace(
+        co_consts=(*_made_in_code_with_an_unhashable_constant.__code__.co_consts, {})
+    )
+)
+
+
+def test_a_frame_whose_code_cannot_be_hashed_is_a_site_like_any_other() -> None:
+    with pytest.raises(TypeError):
+        hash(_made_in_code_with_an_unhashable_constant.__code__)
+    for _ in range(2):  # classified, then from the cache
+        with ts.scope():
+            made = _made_in_code_with_an_unhashable_constant()
+        with pytest.raises(ts.DisposedTensorError, match=rf"created at {THIS_FILE}:\d+"):
+            made + 1
+    with ts.record() as rec:
+        _made_in_code_with_an_unhashable_constant().sum()
+    sites = {t.site for t in rec.plan().lifetimes}  # relative to the working directory
+    assert any("_made_in_code_with_an_unhashable_constant" in site for site in sites), sites

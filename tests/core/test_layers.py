@@ -35,7 +35,9 @@ LAYERS: list[tuple[str, ...]] = [
     ("loading",),  # ts.manage(checkpoint=...)
     ("manage",),  # ts.manage()
     ("checkpoint", "memory", "plan"),  # rotor; RSS sampling; the memory plan of a step
-    ("demo",),  # `tensorscope demo`
+    # ts.fit: one plan of a training step under a byte budget; activation offload (offload*.py)
+    ("fit",),
+    ("demo", "integrations"),  # `tensorscope demo`; callbacks for other libraries (HF Trainer)
     ("cli", "__init__"),  # the command line and the public face
 ]
 RANK = {unit: rank for rank, units in enumerate(LAYERS) for unit in units}

@@ -19,6 +19,7 @@ PURE = [
     "tensorscope._units",
     "tensorscope.checkpoint",
     "tensorscope.checkpoint.chain",
+    "tensorscope.checkpoint.find",
     "tensorscope.checkpoint.simulate",
     "tensorscope.checkpoint.solver",
     "tensorscope.policies",
@@ -35,6 +36,10 @@ PURE = [
     "tensorscope.plan.whatif",
     "tensorscope.plan.summary",
     "tensorscope.plan.snapshot",
+    "tensorscope.fit.account",
+    "tensorscope.fit.decide",
+    "tensorscope.fit.report",
+    "tensorscope.fit.offload_rules",
 ]
 
 

@@ -227,3 +227,38 @@ def test_dataloader_workers_forked_while_recording() -> None:
     gradients = [life for life in plan.lifetimes if life.category == "gradient"]
     assert sum(life.nbytes for life in gradients) == plan.at_peak["parameter"]  # made once
     assert len([op for op in plan.ops if op.phase == "backward"]) > 4  # four backwards
+
+
+def test_another_threads_backward_is_not_recorded() -> None:
+    # thread B runs a backward whose hooks step its optimizer (optimizer-in-backward) while
+    # thread A records: B's parameters and optimizer state are not A's step
+    import threading
+
+    a = torch.nn.Linear(8, 8)
+    b = torch.nn.Linear(256, 256)
+    opt_b = torch.optim.AdamW(b.parameters())
+
+    def update(p: torch.Tensor) -> None:
+        opt_b.step()
+        opt_b.zero_grad()
+
+    for p in b.parameters():
+        p.register_post_accumulate_grad_hook(update)
+    recording, done = threading.Event(), threading.Event()
+
+    def other() -> None:
+        recording.wait(30)
+        b(torch.ones(4, 256)).sum().backward()
+        done.set()
+
+    thread = threading.Thread(target=other)
+    thread.start()
+    with ts.record() as rec:
+        a(torch.ones(2, 8)).sum().backward()
+        recording.set()
+        assert done.wait(30)
+    thread.join(30)
+    plan = rec.plan()
+    b_bytes = sum(p.nbytes for p in b.parameters())
+    assert plan.peak_bytes < b_bytes  # A's whole step is smaller than B's weight alone
+    assert plan.at_peak["optimizer_state"] == 0

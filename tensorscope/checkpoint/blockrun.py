@@ -1,0 +1,308 @@
+"""Run a checkpointing schedule over a chain of blocks called by the model's own loop.
+
+The model calls each block in turn; each call is one autograd ``Function`` that runs the
+block's first forward op (``Fn``, ``Fck`` or ``Fe``) and whose backward runs the schedule's ops
+up to that block's ``B``. See NOTE [a Function per block].
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+import weakref
+from collections.abc import Callable, Collection, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+from torch import nn
+from torch.autograd.function import once_differentiable
+
+from tensorscope.checkpoint.calls import BlockCall, BlockOutput, split_output
+from tensorscope.checkpoint.chain import FORWARD_KINDS, Op
+from tensorscope.checkpoint.executor import (
+    _autocast,
+    _autocast_state,
+    _Root,
+    _root,
+    rerun_guard,
+)
+
+__all__ = ["BlockFunction", "BlockPlan", "BlockRun", "Probe"]
+
+_PREFIX = "tensorscope.checkpoint:"
+
+# NOTE [a Function per block]
+# Before the loss, a schedule runs every layer exactly once, in order (solver.py), so the
+# model's loop can drive the forward phase: block k's call runs op `first[k]` of the schedule.
+# Block k's call is one autograd Function (inputs: the hidden state x_k, the context tensors
+# that require grad, block k's parameters; outputs: x_{k+1} and the block's other tensors).
+# Autograd calls these Functions' backwards in the order L-1, ..., 0 (each needs the next one's
+# input gradient), and Function k's backward runs the schedule's ops from where the previous
+# one stopped up to B(k): the recomputations B(k) needs, then B(k) itself. So the model sees
+# real values between blocks (hooks, output_hidden_states), parameter gradients are
+# accumulated block by block as in plain autograd, and d[k+1] -- the incoming gradient of
+# Function k -- dies when B(k) returns, as the memory model says (NOTE [memory model]).
+# The values the model sees are detached aliases (same storage, no extra memory) of what the
+# run keeps: the run must not hold a tensor whose grad_fn is its own Function (a cycle), and
+# Fe(k)'s output keeps its inner graph, which B(k) differentiates through its GradientEdge.
+# Block k+1's input must be the very alias returned by block k (checked): a model that changes
+# the hidden state between blocks is not a chain the schedule can recompute.
+# Random state, BatchNorm statistics and autocast: as in executor.py (NOTE [executing a
+# schedule]): recomputed blocks replay the RNG state of their first run, run with BatchNorm's
+# track_running_stats cleared, and re-enter the forward's autocast state.
+
+
+class Probe(Protocol):
+    """What measures a run (``blockprobe.BlockProbe``): a window around every op."""
+
+    def forward(self, kind: str, k: int) -> contextlib.AbstractContextManager[Callable[..., None]]:
+        """Window around block ``k``'s forward op; yields ``seen(hidden_output)``."""
+
+    def backward(self, k: int) -> contextlib.AbstractContextManager[Callable[..., None]]:
+        """Window around ``B(k)``; yields ``seen(input_grad, param_grads)``."""
+
+
+class BlockPlan:
+    """What does not change between steps: the blocks, the schedule, who is recomputed."""
+
+    def __init__(
+        self,
+        blocks: Sequence[nn.Module],
+        forwards: Sequence[Callable[..., Any]],
+        ops: Sequence[Op],
+        rng_blocks: Collection[int],
+    ) -> None:
+        self.blocks = list(blocks)
+        self.forwards = list(forwards)
+        self.names = [type(b).__name__ for b in self.blocks]
+        self.ops = tuple(ops)
+        n = len(self.blocks)
+        split = self.ops.index(("Loss",))
+        first = [op[0] for op in self.ops[:split]]
+        if [op[1] for op in self.ops[:split]] != list(range(n)):  # type: ignore[misc]
+            raise ValueError(f"{_PREFIX} a schedule must run blocks 0..{n - 1} before the loss")
+        self.first = first
+        self.backward_ops = list(self.ops[split + 1 :])
+        runs = [0] * n
+        for op in self.ops:
+            if op[0] in FORWARD_KINDS:
+                runs[op[1]] += 1  # type: ignore[misc]
+        self.rerun = {k for k, r in enumerate(runs) if r > 1}
+        self.replay_rng = self.rerun.intersection(rng_blocks)
+        self.batchnorms = [
+            [m for m in b.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
+            for b in self.blocks
+        ]
+
+
+@dataclass
+class _Graph:
+    """Autograd state of one Fe(k): its leaves and the roots B(k) differentiates."""
+
+    inp: torch.Tensor
+    ctx: list[torch.Tensor]
+    roots: list[_Root]
+
+
+class BlockRun:
+    """State of one forward/backward of the chain (one per model call)."""
+
+    def __init__(
+        self,
+        plan: BlockPlan,
+        probe: Probe | None = None,
+        *,
+        on_done: Callable[[BlockRun], None] | None = None,
+    ) -> None:
+        self.plan = plan
+        self.probe = probe
+        self.on_done = on_done
+        self.synchronize = False  # CUDA: synchronize around timed ops (the retiming step)
+        self.input_nbytes = 0
+        self.fe_s: dict[int, float] = {}  # seconds of each block's Fe, and of its B
+        self.b_s: dict[int, float] = {}
+        self.plain: dict[int, torch.Tensor] = {}  # x_k from Fn/Fck, and the input x_0
+        self.outs: dict[int, torch.Tensor] = {}  # x_k as the output of Fe(k-1)
+        self.graph: dict[int, _Graph] = {}  # k+1 -> Fe(k)'s autograd state
+        self.calls: dict[int, BlockCall] = {}
+        self.structure: dict[int, BlockOutput] = {}
+        self.params: dict[int, list[torch.Tensor]] = {}
+        self.backward_done: set[int] = set()
+        self.loss_done = False
+        self.rng: dict[int, tuple[torch.Tensor, torch.Tensor | None]] = {}
+        self.ran: set[int] = set()
+        self.next_block = 0
+        self.cursor = 0
+        self.alias: weakref.ref[torch.Tensor] | None = None
+        self.x_requires_grad = False
+        self.device = torch.device("cpu")
+        self.autocast: list[tuple[str, bool, torch.dtype]] = []
+
+    @property
+    def n(self) -> int:
+        """Number of blocks."""
+        return len(self.plan.blocks)
+
+    def _now(self) -> float:
+        if self.synchronize and self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return time.perf_counter()
+
+    def follows(self, x: torch.Tensor) -> bool:
+        """Whether ``x`` is the hidden state the previous block returned."""
+        return self.alias is not None and self.alias() is x
+
+    def _input(self, k: int) -> torch.Tensor:
+        return self.plain[k] if k in self.plain else self.outs[k]
+
+    def _drop_x(self, k: int) -> None:
+        if k > 0:
+            self.plain.pop(k, None)
+            self.outs.pop(k, None)
+
+    def _rerun_guard(self, k: int) -> contextlib.AbstractContextManager[None]:
+        return rerun_guard(self.plan, self.ran, self.rng, self.device, k)
+
+    def _window(self, kind: str, k: int) -> contextlib.AbstractContextManager[Callable[..., None]]:
+        if self.probe is None:
+            return contextlib.nullcontext(_ignore)
+        return self.probe.forward(kind, k)
+
+    def forward_op(self, kind: str, k: int) -> BlockOutput:
+        """Run block ``k`` as op ``kind`` (``Fn``, ``Fck`` or ``Fe``); return what it returned."""
+        src, call, fn = self._input(k), self.calls[k], self.plan.forwards[k]
+        with self._rerun_guard(k), self._window(kind, k) as seen:
+            if kind == "Fe":
+                inp = src.detach()
+                inp.requires_grad_(k > 0 or self.x_requires_grad)
+                ctx = [t.detach().requires_grad_(True) for t in call.grad_tensors]
+                args, kwargs = call.build(inp, ctx)
+                start = self._now()
+                with torch.enable_grad():
+                    out = split_output(k, self.plan.names[k], fn(*args, **kwargs))
+                self.fe_s[k] = self._now() - start
+                seen(out.hidden)
+                roots = [_root(out.hidden), *(_root(e) for e in out.extras)]
+                self.graph[k + 1] = _Graph(inp, ctx, roots)
+                last = k + 1 == self.n
+                if not (self.loss_done if last else k + 1 in self.backward_done):
+                    self.outs[k + 1] = out.hidden  # someone will read x_{k+1}
+            else:
+                args, kwargs = call.build(src)
+                with torch.no_grad():
+                    out = split_output(k, self.plan.names[k], fn(*args, **kwargs))
+                seen(out.hidden)
+                self.plain[k + 1] = out.hidden
+                if kind == "Fn" and k > 0:
+                    self.plain.pop(k, None)
+        return out
+
+    def forward_block(self, k: int, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """Block ``k``'s call in the model's forward: its first op; the values the model gets."""
+        if k == 0:
+            self.plain[0] = x
+            self.input_nbytes = int(x.untyped_storage().nbytes())
+            self.x_requires_grad = x.requires_grad
+            self.device = x.device
+            self.autocast = _autocast_state(x.device.type)
+        out = self.forward_op(self.plan.first[k], k)
+        self.structure[k] = out.template()
+        self.next_block = k + 1
+        if k + 1 == self.n:
+            self._drop_x(self.n)  # the loss consumes it
+            self.loss_done = True
+        return tuple(t.detach() for t in (out.hidden, *out.extras))
+
+    def backward_block(
+        self, k: int, grads: Sequence[torch.Tensor | None]
+    ) -> tuple[torch.Tensor | None, list[torch.Tensor | None], list[torch.Tensor | None]]:
+        """Function ``k``'s backward: the ops up to ``B(k)``, then ``B(k)``.
+
+        Returns the gradients w.r.t. ``x_k``, the context tensors that require grad, and block
+        ``k``'s parameters.
+        """
+        ops = self.plan.backward_ops
+        while self.cursor < len(ops) and ops[self.cursor] != ("B", k):
+            op = ops[self.cursor]
+            if op[0] == "B":
+                raise RuntimeError(
+                    f"{_PREFIX} autograd reached block {k} while the schedule expected "
+                    f"B({op[1]}): the model used the blocks out of order"  # type: ignore[misc]
+                )
+            with _autocast(self.device.type, self.autocast):  # recomputations only
+                self.forward_op(op[0], op[1])  # type: ignore[misc]
+            self.cursor += 1
+        self.cursor += 1
+        return self._backward_op(k, grads)
+
+    def _backward_op(
+        self, k: int, grads: Sequence[torch.Tensor | None]
+    ) -> tuple[torch.Tensor | None, list[torch.Tensor | None], list[torch.Tensor | None]]:
+        g = self.graph.pop(k + 1)
+        params = self.params[k]
+        grad_input = g.inp.requires_grad
+        targets = ([g.inp] if grad_input else []) + g.ctx + params
+        pairs = [
+            (r, d) for r, d in zip(g.roots, grads, strict=False) if r is not None and d is not None
+        ]
+        result: Sequence[torch.Tensor | None] = [None] * len(targets)
+        window = self.probe.backward(k) if self.probe else contextlib.nullcontext(_ignore)
+        with window as seen:
+            start = self._now()
+            if pairs and targets:
+                roots = [r for r, _ in pairs]
+                outs = [d for _, d in pairs]
+                del pairs
+                result = torch.autograd.grad(roots, targets, outs, allow_unused=True)  # type: ignore[arg-type]
+                del roots, outs
+            self.b_s[k] = self._now() - start
+            d_k = result[0] if grad_input else None
+            param_grads = list(result[len(targets) - len(params) :])
+            seen(d_k, [p for p in param_grads if p is not None])
+        ctx_grads = list(result[int(grad_input) : len(targets) - len(params)])
+        del g
+        self.backward_done.add(k)
+        self._drop_x(k)
+        self.calls.pop(k, None)  # no block is recomputed after its backward
+        if k == 0:
+            self.plain.clear()
+            self.outs.clear()
+            if self.on_done is not None:
+                self.on_done(self)
+        return (d_k if k > 0 or self.x_requires_grad else None), ctx_grads, param_grads
+
+
+def _ignore(*_: object) -> None:
+    """The ``seen`` callback when nothing measures."""
+
+
+class BlockFunction(torch.autograd.Function):
+    """Block ``k``'s call: ``apply(run, k, x_k, *context_grad_tensors, *params_k)``."""
+
+    @staticmethod
+    def forward(ctx: Any, *args: Any) -> Any:
+        run: BlockRun = args[0]
+        k: int = args[1]
+        ctx.run, ctx.k = run, k
+        ctx.n_ctx = len(run.calls[k].grad_tensors)
+        ctx.set_materialize_grads(False)
+        outs = run.forward_block(k, args[2])
+        ctx.mark_non_differentiable(
+            *(t for t in outs if not (t.is_floating_point() or t.is_complex()))
+        )
+        return outs
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx: Any, *grads: Any) -> Any:
+        run: BlockRun | None = ctx.run
+        if run is None:
+            raise RuntimeError(
+                f"{_PREFIX} backward through a checkpointed block ran twice; its activations "
+                f"were freed by the first backward. Run the forward again (retain_graph=True "
+                f"and double backward are not supported)."
+            )
+        ctx.run = None
+        d_k, ctx_grads, param_grads = run.backward_block(ctx.k, grads)
+        return (None, None, d_k, *ctx_grads, *param_grads)

@@ -1,0 +1,234 @@
+"""What a recorded step holds outside its block chain, per phase (pure: plain data, no torch).
+
+``ts.fit`` splits a step's memory in two: the block chain, whose memory rotor's schedule
+decides (``checkpoint/``), and everything else -- parameters, gradients, optimizer state, the
+embedding's and the head's activations, the logits and the loss -- which it reads from the
+recorded step (``ts.record``, ``MemoryPlan``). See NOTE [the step around the chain].
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from tensorscope.plan.data import CATEGORIES
+from tensorscope.plan.whatif import Interval, Position, _free_gradients, _Intervals, peak_of
+
+if TYPE_CHECKING:
+    from tensorscope.plan.model import MemoryPlan
+
+__all__ = ["StepBase", "chain_ops", "step_base"]
+
+# NOTE [the step around the chain]
+# rotor's chain accounts for what the chain allocates: its input, activations, saved tensors,
+# hidden-state gradients, transients, the shared context -- not parameters, their gradients or
+# optimizer state. Everything else is read from the recorded step: the storages that no op of
+# a chain block made (the chain's own are left out: their memory is the schedule's), with
+# model state (parameters, gradients, optimizer state) always counted here. The step is split
+# in three regions of ops:
+#   under_chain: while the chain's forward or backward runs (what stays allocated under it:
+#                model state, the embedding's saved tensors, the mask...);
+#   at_loss:     between the chain's forward and its backward (the head, logits, the loss and
+#                their gradients): the part above under_chain is rotor's ``loss_tmp``;
+#   outside:     before the chain's forward and after its backward (the embedding's backward,
+#                the optimizer step).
+# The predicted peak is max(outside, under_chain + the schedule's peak), with the schedule's
+# peak including loss_tmp where the loss runs -- a sum of two maxima, so it never under-counts
+# what the recorded lifetimes say. Optimizer state made in the first step exists from the
+# start of every later step, so it is counted from op 0. With ``free_gradients`` the plan's
+# what_if model moves each update into the backward, right after its gradient's last write,
+# and ends the gradient there (plan/whatif.py, NOTE [moving intervals]).
+# With the optimizer state in the next tier between updates (fit/statestore.py), the state is
+# resident only while the optimizer step runs (gradients kept: from the step's first op on) or,
+# with gradients freed at their update, each parameter's state only at its update (where
+# what_if's model moved it; a parameter that gets no gradient is never read back).
+
+_ACTIVATION_LIKE = ("activation", "temporary", "other")
+
+
+@dataclass(frozen=True)
+class StepBase:
+    """Bytes a step holds outside its chain, per region (NOTE [the step around the chain]).
+
+    Attributes:
+        free_gradients: whether gradients are freed at their update (optimizer-in-backward).
+        under_chain: highest bytes outside the chain while the chain runs.
+        at_loss: highest bytes outside the chain between the chain's forward and backward.
+        outside: highest bytes before the chain's forward and after its backward.
+        parameter_bytes, gradient_bytes, optimizer_state_bytes: bytes of model state (the
+            largest each category reaches in the step).
+        seconds: time of the ops outside the chain in the recorded step (recording included),
+            plus the optimizer state's transfers when it is offloaded.
+        state_offloaded: whether the optimizer state is in the next tier between updates.
+        offloaded_bytes: bytes of optimizer state moved out and back each step.
+    """
+
+    free_gradients: bool
+    under_chain: int
+    at_loss: int
+    outside: int
+    parameter_bytes: int
+    gradient_bytes: int
+    optimizer_state_bytes: int
+    seconds: float
+    state_offloaded: bool = False
+    offloaded_bytes: int = 0
+
+    @property
+    def loss_tmp(self) -> int:
+        """What the loss region needs above ``under_chain`` (rotor's ``loss_tmp``)."""
+        return max(0, self.at_loss - self.under_chain)
+
+    @property
+    def state_bytes(self) -> int:
+        """Parameters, gradients and optimizer state together."""
+        return self.parameter_bytes + self.gradient_bytes + self.optimizer_state_bytes
+
+
+def _in_chain(block: str, paths: Collection[str]) -> bool:
+    return any(block == p or block.startswith(p + ".") for p in paths)
+
+
+def chain_ops(plan: MemoryPlan, paths: Collection[str]) -> tuple[range, range] | None:
+    """The op ranges of the chain's forward and backward in ``plan`` (None: no chain op).
+
+    ``paths`` are the module paths of the chain's blocks in the plan (``plan.module_ids``).
+    """
+    fw = [
+        i for i, op in enumerate(plan.ops) if op.phase == "forward" and _in_chain(op.block, paths)
+    ]
+    bw = [
+        i for i, op in enumerate(plan.ops) if op.phase == "backward" and _in_chain(op.block, paths)
+    ]
+    if not fw:
+        return None
+    forward = range(fw[0], fw[-1] + 1)
+    if not bw:
+        return forward, range(forward.stop, forward.stop)
+    # block 0's backward runs inside its Function's backward: its ops are named by no module
+    stop = bw[-1] + 1
+    while stop < len(plan.ops) and plan.ops[stop].phase == "backward" and not plan.ops[stop].block:
+        stop += 1
+    return forward, range(bw[0], stop)
+
+
+def _clip(intervals: list[Interval], first: int, stop: int) -> list[Interval]:
+    lo: Position = (first, -2, 0)
+    hi: Position = (stop, -2, 0)
+    out: list[Interval] = []
+    for start, end, nbytes, category in intervals:
+        s, e = max(start, lo), min(end, hi)
+        if s < e:
+            out.append((s, e, nbytes, category))
+    return out
+
+
+def _peak(intervals: list[Interval], ranges: list[tuple[int, int]]) -> int:
+    best = 0
+    for first, stop in ranges:
+        if stop > first:
+            best = max(best, peak_of(_clip(intervals, first, stop), len(CATEGORIES))[0])
+    return best
+
+
+def step_base(
+    plan: MemoryPlan,
+    paths: Collection[str] = (),
+    *,
+    free_gradients: bool = False,
+    offload_state: bool = False,
+) -> StepBase:
+    """The step's memory outside the chain whose blocks ran as ``paths`` (none: no chain);
+    ``offload_state``: the optimizer state is in the next tier between updates (NOTE [the step
+    around the chain]).
+
+    Example:
+        >>> from tensorscope.plan.model import Lifetime, MemoryPlan, OpInfo
+        >>> ops = [OpInfo("mm", 0.0, "", b, ph, ) for b, ph in
+        ...        [("", "forward"), ("h.0", "forward"), ("head", "forward"),
+        ...         ("h.0", "backward"), ("", "backward")]]
+        >>> life = lambda i, cat, n, c, f: Lifetime(i, cat, n, c, c, f, "", (), "f32", "cpu")
+        >>> lives = [life(0, "parameter", 100, -1, None), life(1, "activation", 10, 1, 4),
+        ...          life(2, "temporary", 50, 2, 3)]
+        >>> plan = MemoryPlan(160, 2, "", "forward", {}, None, [], lives, ops, [], [], [],
+        ...                   "cpu", 1.0)
+        >>> base = step_base(plan, ["h.0"])
+        >>> base.under_chain, base.at_loss, base.loss_tmp, base.outside
+        (100, 150, 50, 100)
+        >>> ops.append(OpInfo("add_", 0.0, "", "", "optimizer"))
+        >>> lives.append(life(3, "optimizer_state", 200, 5, None))
+        >>> import dataclasses
+        >>> plan = dataclasses.replace(plan, ops=ops, lifetimes=lives, optimizer_steps=[(5, 6)])
+        >>> step_base(plan, ["h.0"]).under_chain
+        300
+        >>> offloaded = step_base(plan, ["h.0"], offload_state=True)
+        >>> offloaded.under_chain, offloaded.outside, offloaded.offloaded_bytes
+        (100, 300, 200)
+    """
+    state = _Intervals(plan)
+    if free_gradients:
+        _free_gradients(state, [], [])
+    n = len(plan.ops)
+    ranges = chain_ops(plan, paths) if paths else None
+    chain_made = set()
+    after_chain: Position = (n, -2, 0)
+    if ranges is not None:
+        forward, backward = ranges
+        after_chain = (backward.stop, -2, 0)
+        for life in plan.lifetimes:
+            if life.category in _ACTIVATION_LIKE and (
+                life.created in forward or life.created in backward
+            ):
+                chain_made.add(life.index)
+    rank = {c: k for k, c in enumerate(CATEGORIES)}
+    intervals: list[Interval] = []
+    largest = dict.fromkeys(("parameter", "gradient", "optimizer_state"), 0)
+    step_start: Position = (plan.optimizer_steps[0][0] if plan.optimizer_steps else n, -2, 0)
+    offloaded = 0
+    for index, parts in state.parts.items():
+        life = plan.lifetimes[index]
+        if index in chain_made:  # the schedule's memory; what outlives the chain stays
+            parts = [(max(a, after_chain), b, c, d) for a, b, c, d in parts if b > after_chain]
+        elif life.category == "optimizer_state" and life.freed is None and parts:
+            first: Position = (0, 0, 0)
+            if offload_state:
+                offloaded += life.nbytes
+                if free_gradients:  # read back for its update only (moved there, or never)
+                    start = parts[-1][0]
+                    if start[1] == 1:
+                        intervals.append(
+                            (start, (start[0], 2, 0), life.nbytes, rank[life.category])
+                        )
+                    continue
+                first = step_start
+            parts = [(first, parts[-1][1], life.nbytes, rank[life.category])]
+        intervals.extend(parts)
+    intervals.extend(state.extra)
+    for category in largest:
+        own = [part for part in intervals if part[3] == rank[category]]
+        largest[category] = peak_of(own, len(CATEGORIES))[0]
+    chain_s = 0.0
+    if ranges is None:
+        outside = _peak(intervals, [(0, n)])
+        under = at_loss = 0
+    else:
+        forward, backward = ranges
+        outside = _peak(intervals, [(0, forward.start), (backward.stop, n)])
+        under = _peak(intervals, [(forward.start, forward.stop), (backward.start, backward.stop)])
+        at_loss = _peak(intervals, [(forward.stop, backward.start)])
+        times = [op.seconds for op in plan.ops] + [plan.seconds]
+        for i in (*forward, *backward):
+            chain_s += times[i + 1] - times[i]
+    return StepBase(
+        free_gradients=free_gradients,
+        under_chain=under,
+        at_loss=at_loss,
+        outside=outside,
+        parameter_bytes=largest["parameter"],
+        gradient_bytes=largest["gradient"],
+        optimizer_state_bytes=largest["optimizer_state"],
+        seconds=max(0.0, plan.seconds - chain_s),
+        state_offloaded=offload_state,
+        offloaded_bytes=offloaded,
+    )

@@ -1,0 +1,131 @@
+"""Optimizer-in-backward: each parameter updated, and its gradient freed, as soon as autograd has
+accumulated it (PyTorch's ``register_post_accumulate_grad_hook`` recipe), with the user's own
+optimizer object, its state and its hyperparameters. See NOTE [the update inside backward].
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+from torch import nn
+
+__all__ = ["KNOWN_OPTIMIZERS", "InBackward", "unknown_optimizer"]
+
+# NOTE [the update inside backward]
+# When a parameter's gradient is final (its AccumulateGrad node ran: every use of the
+# parameter in the graph has contributed), the hook runs the user's optimizer for that
+# parameter alone: the class's `step` (so torch.optim's step hooks and `no_grad` apply) with
+# `param_groups` narrowed, for the call, to the parameter's own group holding only it. The
+# group dict is the real one (a scheduler's new `lr` is seen; anything the step writes stays),
+# and `optimizer.state[p]` is the same state the plain step would use. Then the gradient is
+# set to None: its memory goes back at once. The user's `optimizer.step()` afterwards finds no
+# gradient and updates nothing (torch's optimizers skip parameters whose `.grad` is None), and
+# `zero_grad()` has nothing to do, so the loop stays unchanged and learning-rate schedulers
+# still see a step. Only optimizers whose update of one parameter reads that parameter's own
+# gradient and state are run this way (KNOWN_OPTIMIZERS, exact classes: a subclass may
+# override `step`); on the CPU their per-tensor code is what the plain step runs, so the
+# weights are bit-identical to the plain loop's.
+
+KNOWN_OPTIMIZERS: tuple[type[torch.optim.Optimizer], ...] = (
+    torch.optim.SGD,
+    torch.optim.Adam,
+    torch.optim.AdamW,
+    torch.optim.Adagrad,
+    torch.optim.Adadelta,
+    torch.optim.Adamax,
+    torch.optim.NAdam,
+    torch.optim.RAdam,
+    torch.optim.RMSprop,
+)
+
+
+def unknown_optimizer(optimizer: torch.optim.Optimizer) -> str | None:
+    """Why ``optimizer`` cannot be run per parameter, or None when it can.
+
+    Example:
+        >>> p = torch.nn.Parameter(torch.zeros(2))
+        >>> unknown_optimizer(torch.optim.AdamW([p])) is None
+        True
+        >>> print(unknown_optimizer(torch.optim.LBFGS([p]))[:60])
+        LBFGS is not an optimizer ts.fit knows to update one paramet
+    """
+    if type(optimizer) in KNOWN_OPTIMIZERS:
+        return None
+    names = ", ".join(c.__name__ for c in KNOWN_OPTIMIZERS)
+    return (
+        f"{type(optimizer).__name__} is not an optimizer ts.fit knows to update one parameter "
+        f"at a time (it knows {names})"
+    )
+
+
+class InBackward:
+    """The hooks that run ``optimizer``'s update of each parameter inside backward.
+
+    Example:
+        >>> lin = torch.nn.Linear(4, 4)
+        >>> opt = torch.optim.SGD(lin.parameters(), lr=0.1)
+        >>> hooks = InBackward(opt)
+        >>> lin(torch.ones(1, 4)).sum().backward()
+        >>> lin.weight.grad is None, hooks.updates
+        (True, 2)
+        >>> hooks.remove()
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer) -> None:
+        self.optimizer = optimizer
+        self.updates = 0
+        self.updating = False
+        self._handles: list[Any] = []
+        seen: set[int] = set()
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                if id(p) in seen or not p.requires_grad:
+                    continue
+                seen.add(id(p))
+                self._handles.append(p.register_post_accumulate_grad_hook(self._make(group)))
+
+    def _make(self, group: dict[str, Any]) -> Any:
+        def hook(p: torch.Tensor) -> None:
+            self.update(p, group)
+
+        return hook
+
+    @contextmanager
+    def _only(self, p: torch.Tensor, group: dict[str, Any]) -> Iterator[None]:
+        opt = self.optimizer
+        groups, params = opt.param_groups, group["params"]
+        opt.param_groups = [group]
+        group["params"] = [p]
+        self.updating = True
+        try:
+            yield
+        finally:
+            group["params"] = params
+            opt.param_groups = groups
+            self.updating = False
+
+    def update(self, p: torch.Tensor, group: dict[str, Any]) -> None:
+        """Apply ``p``'s update now and free its gradient (NOTE [the update inside backward])."""
+        if p.grad is None:
+            return
+        with self._only(p, group):
+            type(self.optimizer).step(self.optimizer)
+        p.grad = None
+        self.updates += 1
+
+    def remove(self) -> None:
+        """Remove the hooks (idempotent)."""
+        while self._handles:
+            self._handles.pop().remove()
+
+
+def parameters_of(optimizer: torch.optim.Optimizer) -> list[nn.Parameter]:
+    """The distinct parameters ``optimizer`` updates, in order."""
+    seen: dict[int, Any] = {}
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            seen.setdefault(id(p), p)
+    return list(seen.values())

@@ -1,0 +1,157 @@
+"""``fit.explain()``'s text, from plain facts (pure: no torch)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from tensorscope._units import format_bytes
+
+if TYPE_CHECKING:
+    from tensorscope.fit.decide import Decision
+    from tensorscope.plan.model import MemoryPlan
+
+__all__ = ["OFFLOAD_NOTE", "Facts", "explain"]
+
+OFFLOAD_NOTE = (
+    "offload: unavailable in ts.fit's plan -- every block is kept or recomputed "
+    "(tensorscope.fit.offload.offload_blocks offloads blocks by hand; not yet a choice here)"
+)
+
+
+@dataclass(frozen=True)
+class Facts:
+    """What ``explain`` reports (gathered by the ``Fit`` handle)."""
+
+    model: str
+    optimizer: str
+    budget_bytes: int
+    chain_path: str | None
+    chain_blocks: tuple[str, int] | None
+    chain_note: str
+    schedule_limit: int | None
+    decision: Decision | None
+    grads_kept_because: tuple[str, ...]
+    plan_before: MemoryPlan | None
+    plan_after: MemoryPlan | None
+    measured_step_s: float | None
+    timed_steps: int
+    state_where: str
+    loss_shape: tuple[int, ...] | None = None
+    notes: tuple[str, ...] = ()
+    error: str | None = None
+    removed: bool = False
+
+
+def _runs(choices: tuple[str, ...]) -> list[str]:
+    """Consecutive blocks with the same choice, as ``"blocks 0-3  keep"`` lines."""
+    out: list[str] = []
+    k = 0
+    while k < len(choices):
+        j = k
+        while j + 1 < len(choices) and choices[j + 1] == choices[k]:
+            j += 1
+        name = f"block {k}" if j == k else f"blocks {k}-{j}"
+        out.append(f"{name:<13} {choices[k]}")
+        k = j + 1
+    return out
+
+
+def explain(f: Facts) -> str:
+    """The report (see ``Fit.explain``).
+
+    Example:
+        >>> print(explain(Facts("Net", "SGD", 1024, None, None, "no list", None, None, (),
+        ...                     None, None, None, 0, "resident on the device")))
+        ts.fit: Net + SGD, budget 1.0 KiB (1024 bytes)
+          not measured yet: the first training step is recorded, then the plan is decided
+    """
+    head = (
+        f"ts.fit: {f.model} + {f.optimizer}, budget {format_bytes(f.budget_bytes)} "
+        f"({f.budget_bytes} bytes)" + (" [removed]" if f.removed else "")
+    )
+    lines = [head]
+    if f.error is not None:
+        lines.append(f"  no plan: {f.error}")
+    if f.plan_before is None:
+        if f.error is None:
+            lines.append(
+                "  not measured yet: the first training step is recorded, then the plan is decided"
+            )
+        return "\n".join(lines)
+    how = "every block recomputed while measuring, " if f.chain_path is not None else ""
+    lines.append(
+        f"  step 1 (recorded, {how}gradients kept): peak {format_bytes(f.plan_before.peak_bytes)}"
+    )
+    d = f.decision
+    if d is None:
+        return "\n".join(lines)
+    chosen = d.chosen
+    base = chosen.base
+    lines.append("  decision, from step 2:")
+    if f.chain_path is not None and f.chain_blocks is not None and chosen.schedule is not None:
+        cls, n = f.chain_blocks
+        limit = format_bytes(chosen.chain_limit or 0)
+        lines.append(
+            f"    block chain {f.chain_path or '(list)'}: {n} x {cls}, rotor's schedule under "
+            f"{limit} (context and random states: {format_bytes(d.reserved_nbytes)}; head and "
+            f"loss above the chain: {format_bytes(base.loss_tmp)})"
+        )
+        lines += [f"      {line}" for line in _runs(d.blocks)]
+    elif f.chain_path is not None:
+        lines.append(f"    block chain {f.chain_path or '(list)'}: not measured (no backward ran)")
+    else:
+        lines.append(f"    no block chain ({f.chain_note}): nothing is recomputed")
+    lines.append(f"    {OFFLOAD_NOTE}")
+    if d.free_gradients:
+        lines.append(
+            f"    gradients: freed at each parameter's update (optimizer-in-backward, "
+            f"{f.optimizer} run per parameter)"
+        )
+    else:
+        lines.append("    gradients: kept until optimizer.step(), because")
+        lines += [f"      - {reason}" for reason in f.grads_kept_because] or [
+            "      - freeing them at their update predicts no smaller peak and no faster step"
+        ]
+    if f.loss_shape is not None:
+        n, v = f.loss_shape
+        lines.append(
+            f"    loss: cross_entropy over {n} x {v} logits, its gradient written over the saved "
+            f"log-probabilities (one buffer of the logits' size less in backward; same bits)"
+        )
+    lines.append(
+        f"    model state: {f.state_where}: parameters {format_bytes(base.parameter_bytes)}, "
+        f"optimizer state {'resident at most ' if base.state_offloaded else ''}"
+        f"{format_bytes(base.optimizer_state_bytes)}, gradients up to "
+        f"{format_bytes(base.gradient_bytes)}"
+    )
+    for c in d.candidates:
+        grads = "freed at update" if c.base.free_gradients else "kept"
+        if c.base.state_offloaded:
+            grads += f", optimizer state offloaded ({format_bytes(c.base.offloaded_bytes)})"
+        fits = (
+            f"predicted peak {format_bytes(c.predicted_peak)}, {c.predicted_s:.3f} s"
+            if c.fits
+            else "does not fit"
+        )
+        mark = "*" if c is chosen else " "
+        lines.append(
+            f"   {mark}candidate, gradients {grads}: {fits} (fits from "
+            f"{format_bytes(c.least_budget)})"
+        )
+    lines.append(
+        f"  predicted: peak {format_bytes(chosen.predicted_peak)}, step "
+        f"{chosen.predicted_s:.3f} s (the chain's blocks timed in step 2; the rest of the step "
+        f"timed while step 1 was recorded, which slows small ops)"
+    )
+    if f.plan_after is not None:
+        measured = f"  measured: peak {format_bytes(f.plan_after.peak_bytes)} (a recorded step)"
+        if f.measured_step_s is not None:
+            measured += (
+                f", step {f.measured_step_s:.3f} s (median of {f.timed_steps} unrecorded steps)"
+            )
+        lines.append(measured)
+    else:
+        lines.append("  measured: not yet (the third step is recorded)")
+    lines += [f"  note: {note}" for note in f.notes]
+    return "\n".join(lines)

@@ -1,0 +1,183 @@
+"""Helpers for ts.fit's tests: tiny models (random weights, built from configs), a plain twin,
+a training loop, and a recorded plain step to size budgets from."""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch import nn
+
+import tensorscope as ts
+
+VOCAB = 97
+BATCH, SEQ = 4, 32
+
+
+class Block(nn.Module):
+    """A residual MLP block with dropout."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.up = nn.Linear(width, 4 * width)
+        self.down = nn.Linear(4 * width, width)
+        self.drop = nn.Dropout(0.1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.drop(self.down(nn.functional.gelu(self.up(x))))
+
+
+class MLPChain(nn.Module):
+    """Embedding, a ModuleList of blocks called in a loop (HF style), head."""
+
+    def __init__(self, width: int = 64, depth: int = 6) -> None:
+        super().__init__()
+        self.embed = nn.Linear(16, width)
+        self.layers = nn.ModuleList(Block(width) for _ in range(depth))
+        self.head = nn.Linear(width, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.embed(x)
+        for layer in self.layers:
+            h = layer(h)
+        return self.head(h)
+
+
+def tiny(name: str) -> nn.Module:
+    """A tiny model with random weights (dropout on, no KV cache), in train() mode."""
+    torch.manual_seed(0)
+    if name == "mlp":
+        return MLPChain().train()
+    import transformers as tf
+
+    if name == "gpt2":
+        cfg: Any = tf.GPT2Config(
+            n_layer=4, n_embd=32, n_head=4, vocab_size=VOCAB, n_positions=64, use_cache=False
+        )
+        return tf.GPT2LMHeadModel(cfg).train()
+    if name == "llama":
+        cfg = tf.LlamaConfig(
+            num_hidden_layers=4,
+            hidden_size=32,
+            intermediate_size=64,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            vocab_size=VOCAB,
+            use_cache=False,
+            attention_dropout=0.1,
+        )
+        return tf.LlamaForCausalLM(cfg).train()
+    if name == "bert":
+        cfg = tf.BertConfig(
+            num_hidden_layers=4,
+            hidden_size=32,
+            intermediate_size=64,
+            num_attention_heads=4,
+            vocab_size=VOCAB,
+        )
+        return tf.BertForMaskedLM(cfg).train()
+    raise ValueError(name)
+
+
+BIG_VOCAB = 4096  # 4 x 32 tokens x 4096 x 4 bytes = 2 MiB of logits: ts.fit routes the loss
+
+
+def big_vocabulary(name: str) -> nn.Module:
+    """A 2-layer GPT-2 or Llama with a BIG_VOCAB vocabulary (random weights), in train() mode."""
+    import transformers as tf
+
+    torch.manual_seed(0)
+    if name == "gpt2":
+        cfg: Any = tf.GPT2Config(
+            n_layer=2, n_embd=32, n_head=4, vocab_size=BIG_VOCAB, n_positions=64, use_cache=False
+        )
+        return tf.GPT2LMHeadModel(cfg).train()
+    cfg = tf.LlamaConfig(
+        num_hidden_layers=2,
+        hidden_size=32,
+        intermediate_size=64,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=BIG_VOCAB,
+        use_cache=False,
+    )
+    return tf.LlamaForCausalLM(cfg).train()
+
+
+def batches(name: str, seq: int = SEQ) -> Iterator[dict[str, torch.Tensor]]:
+    """The same endless stream of batches for a model and its twin."""
+    g = torch.Generator().manual_seed(1)
+    while True:
+        if name == "mlp":
+            yield {"x": torch.randn(12 * seq, 16, generator=g)}
+            continue
+        ids = torch.randint(0, VOCAB, (BATCH, seq), generator=g)
+        mask = torch.ones(BATCH, seq, dtype=torch.long)
+        mask[0, seq - 5 :] = 0  # padding: a real attention mask reaches the blocks
+        yield {"input_ids": ids, "attention_mask": mask, "labels": ids}
+
+
+def loss_of(model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    if "x" in batch:
+        return model(batch["x"]).square().mean()
+    return model(**batch).loss  # type: ignore[no-any-return]
+
+
+def optimizer(kind: str, model: nn.Module) -> torch.optim.Optimizer:
+    if kind == "adamw":
+        return torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01)
+    if kind == "sgd":
+        return torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    raise ValueError(kind)
+
+
+def step(
+    model: nn.Module,
+    opt: torch.optim.Optimizer,
+    batch: dict[str, torch.Tensor],
+    *,
+    clip: float | None = None,
+    scoped: bool = False,
+    seed: int = 0,
+) -> float:
+    """One plain training step (the user's loop, unchanged); returns the loss."""
+    torch.manual_seed(seed)
+    with ts.scope() if scoped else contextlib.nullcontext():
+        loss = loss_of(model, batch)
+        loss.backward()
+        if clip is not None:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        opt.step()
+        opt.zero_grad()
+        return float(loss.item())
+
+
+def twin(model: nn.Module) -> nn.Module:
+    return copy.deepcopy(model)
+
+
+def differing(a: nn.Module, b: nn.Module) -> list[str]:
+    """Names of parameters or buffers that are not bit-identical."""
+    bad = [
+        n
+        for (n, p), q in zip(a.named_parameters(), b.parameters(), strict=True)
+        if not torch.equal(p, q)
+    ]
+    bad += [
+        n for (n, x), y in zip(a.named_buffers(), b.buffers(), strict=True) if not torch.equal(x, y)
+    ]
+    return bad
+
+
+def plain_peak(name: str, kind: str, seq: int = SEQ) -> int:
+    """The recorded peak of a plain steady step (the second) of a fresh model."""
+    model = tiny(name)
+    opt = optimizer(kind, model)
+    data = batches(name, seq)
+    step(model, opt, next(data))
+    with ts.record() as rec:
+        step(model, opt, next(data))
+    return rec.plan().peak_bytes

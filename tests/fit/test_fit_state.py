@@ -1,0 +1,165 @@
+"""ts.fit with the optimizer state in the next tier between updates (the disk tier on a CPU
+device): chosen when the budget needs it, weights and optimizer state bit-identical to the plain
+loop, the state on disk between steps, state_dict/load_state_dict/remove whole."""
+
+from __future__ import annotations
+
+import copy
+import warnings
+
+import pytest
+import torch
+
+import tensorscope as ts
+from tensorscope.errors import FitWarning, ResidencyError
+from tensorscope.fit.statestore import MIN_SPILL_BYTES, StateStore
+
+from .fit_helpers import batches, differing, optimizer, step, tiny, twin
+
+
+def _tight_budget(name: str, kind: str, clip: float | None) -> int:
+    """A budget between the smallest plan with the optimizer state offloaded and the smallest
+    with it resident (read from a first fit's candidates)."""
+    model = tiny(name)
+    opt = optimizer(kind, model)
+    fit = ts.fit(model, opt, budget="1GiB")
+    data = batches(name)
+    step(model, opt, next(data), clip=clip)
+    assert fit.decision is not None
+    resident = min(c.least_budget for c in fit.decision.candidates if not c.base.state_offloaded)
+    moved = min(c.least_budget for c in fit.decision.candidates if c.base.state_offloaded)
+    fit.remove()
+    assert moved < resident
+    return (moved + resident) // 2
+
+
+def _state_equal(a: torch.optim.Optimizer, b: torch.optim.Optimizer) -> None:
+    sa, sb = a.state_dict()["state"], b.state_dict()["state"]
+    assert sa.keys() == sb.keys()
+    for k in sa:
+        for key, value in sb[k].items():
+            assert torch.equal(sa[k][key], value), (k, key)
+
+
+@pytest.mark.parametrize(
+    ("name", "kind", "clip"),
+    [
+        ("gpt2", "adamw", None),
+        ("gpt2", "adamw", 1.0),
+        ("llama", "adamw", None),
+        ("mlp", "sgd", None),
+    ],
+)
+def test_state_offloaded_when_only_that_fits(name: str, kind: str, clip: float | None) -> None:
+    budget = _tight_budget(name, kind, clip)
+    model = tiny(name)
+    ref = twin(model)
+    opt, ropt = optimizer(kind, model), optimizer(kind, ref)
+    fit = ts.fit(model, opt, budget=budget)
+    mine, theirs = batches(name), batches(name)
+    for i in range(5):
+        assert step(model, opt, next(mine), seed=i, clip=clip) == step(
+            ref, ropt, next(theirs), seed=i, clip=clip
+        )
+        assert not differing(model, ref)
+        if i == 0:
+            continue
+        # between steps every tensor of state is a placeholder; its bytes are in the store
+        values = [v for s in opt.state.values() for v in s.values() if v.nbytes >= MIN_SPILL_BYTES]
+        assert values and all(v.device.type == "meta" for v in values)
+        assert fit._states is not None
+        assert fit._states.spilled_bytes == sum(v.nbytes for v in values)
+    d = fit.decision
+    assert d is not None and d.chosen.base.state_offloaded
+    assert d.free_gradients is (clip is None)
+    assert not any(c.fits for c in d.candidates if not c.base.state_offloaded)
+    assert fit.plan_after is not None and fit.plan_after.peak_bytes <= budget
+    assert "optimizer state in the disk tier between updates" in fit.explain()
+    _state_equal(opt, ropt)  # state_dict() reads the state back, bit for bit
+    fit.remove()
+    assert all(v.device.type == "cpu" for s in opt.state.values() for v in s.values())
+    for i in range(5, 7):  # plain again, still the same
+        assert step(model, opt, next(mine), seed=i) == step(ref, ropt, next(theirs), seed=i)
+    assert not differing(model, ref)
+    _state_equal(opt, ropt)
+
+
+def test_state_dict_between_steps_keeps_its_tensors_and_load_state_dict_goes_on() -> None:
+    budget = _tight_budget("gpt2", "adamw", None)
+    model = tiny("gpt2")
+    ref = twin(model)
+    opt, ropt = optimizer("adamw", model), optimizer("adamw", ref)
+    fit = ts.fit(model, opt, budget=budget)
+    mine, theirs = batches("gpt2"), batches("gpt2")
+    for i in range(3):
+        step(model, opt, next(mine), seed=i)
+        step(ref, ropt, next(theirs), seed=i)
+    saved = opt.state_dict()
+    step(model, opt, next(mine), seed=3)  # writes the state out again: saved stays whole
+    step(ref, ropt, next(theirs), seed=3)
+    assert all(v.device.type == "cpu" for s in saved["state"].values() for v in s.values())
+    # the fitted optimizer takes the plain one's state after step 3 and goes on
+    opt.load_state_dict(copy.deepcopy(ropt.state_dict()))  # torch's load shares tensors
+    model.load_state_dict(ref.state_dict())
+    for i in range(4, 7):
+        assert step(model, opt, next(mine), seed=i) == step(ref, ropt, next(theirs), seed=i)
+    assert not differing(model, ref)
+    _state_equal(opt, ropt)
+    fit.remove()
+
+
+def test_a_failed_write_leaves_the_state_in_memory_and_warns() -> None:
+    lin = torch.nn.Linear(64, 64)
+    opt = torch.optim.AdamW(lin.parameters())
+    lin(torch.ones(2, 64)).sum().backward()
+    opt.step()
+    before = {k: v.clone() for k, v in opt.state[lin.weight].items()}
+    store = StateStore(opt)
+    store.enabled = True
+
+    class Full:
+        tier = "disk"
+
+        def begin(self, storage: object) -> None:
+            return None
+
+        def finish(self, storage: object, started: object) -> None:
+            raise ResidencyError("disk full (simulated)")
+
+    store._stores[lin.weight.device] = Full()  # type: ignore[assignment]
+    with pytest.warns(FitWarning, match="disk full"):
+        store.after_step()
+    assert store.write_errors == 1
+    for key, value in opt.state[lin.weight].items():
+        assert value.device.type == "cpu" and torch.equal(value, before[key])
+    store._stores.clear()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        store.after_step()  # a working store again: written out
+    assert opt.state[lin.weight]["exp_avg"].device.type == "meta"
+    store.close()
+    assert torch.equal(opt.state[lin.weight]["exp_avg"], before["exp_avg"])
+
+
+def test_a_managed_model_keeps_its_optimizer_state_with_the_residency_manager() -> None:
+    # ts.manage places optimizer state made for managed parameters itself: ts.fit must not
+    # also move it (its bytes may be on the manager's disk tier, not at data_ptr())
+    budget = int(_tight_budget("gpt2", "adamw", None) * 1.3)
+    ts.residency.configure(device="cpu", policy="flow", budget="400KiB", offload_dir=None)
+    try:
+        model = tiny("gpt2")
+        ref = twin(model)
+        handle = ts.manage(model)
+        opt, ropt = optimizer("adamw", model), optimizer("adamw", ref)
+        fit = ts.fit(model, opt, budget=budget)
+        mine, theirs = batches("gpt2"), batches("gpt2")
+        for i in range(4):
+            assert step(model, opt, next(mine), seed=i) == step(ref, ropt, next(theirs), seed=i)
+        assert fit.decision is not None
+        assert not any(c.base.state_offloaded for c in fit.decision.candidates)
+        assert "managed by ts.manage" in fit.explain()
+        fit.remove()
+        handle.remove()
+        assert not differing(model, ref)
+    finally:
+        ts.residency.configure(device="cpu", policy="flow", budget=None, offload_dir=None)
