@@ -14,7 +14,7 @@ else:
     extensions = [
         CppExtension(
             "tensorscope._fast",
-            ["tensorscope/csrc/fast.cpp"],
+            ["tensorscope/csrc/fast.cpp", "tensorscope/csrc/managed.cpp"],
             extra_compile_args=["-O2"],
             optional=True,
         )

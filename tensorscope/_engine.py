@@ -5,8 +5,10 @@ the same rules. ``tensorscope._fast`` is a small C++ extension built at install 
 machine's compiler (``setup.py``; see ``csrc/fast.cpp``): a boxed fallback that sees each
 top-level op and hands only fresh results to Python. Where it could not be built (no compiler),
 or with ``TENSORSCOPE_ENGINE=python``, the same kernel runs in Python (``_fallback.py``), at
-about four times the cost per op (docs/design.md §9). The residency manager always uses its
-Python dispatch mode (``_intercept.Interceptor``): it must run around every decomposed op.
+about four times the cost per op (docs/design.md §9). The residency manager's op path has the
+same two engines (docs/design.md §14): with the C++ one, a second fallback (csrc/managed.cpp, on
+the Fake key) runs ops whose managed operands are resident natively and hands the others to the
+Python dispatch mode (``_intercept.Interceptor``), which the Python engine runs around every op.
 
 Layer 1: imports only torch.
 """

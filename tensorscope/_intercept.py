@@ -4,7 +4,10 @@
 # Scopes own results on the DeferredInit key (_adopt.py's NOTE): above Autograd, top-level ops
 # only. The residency manager must see every decomposed op on managed tensors, their backward
 # and the optimizer's ops, so it routes a thread's ops through this ``TorchDispatchMode``, pushed
-# while the manager manages something on that thread and popped when it stops.
+# while the manager manages something on that thread and popped when it stops. With the C++
+# engine the mode is not left pushed: the engine's Fake-key fallback sees the same ops, runs the
+# resident ones natively and pushes this mode for one op at a time for the rest
+# (csrc/managed.cpp, residency/native.py, docs/design.md §14).
 #
 # NOTE [hot path]
 # Every op pays for this handler, so it does the least it can: one dict lookup classifies the op
@@ -28,8 +31,14 @@ from tensorscope._engine import FAST
 from tensorscope._sites import capture_site, site_verdicts
 from tensorscope._slot import ACTIVE
 from tensorscope._state import STATES, Counters, Owner, RefState, on_ref_death, register_ref
-from tensorscope._thread import CURRENT_SCOPE, ThreadState, owning_scope, thread_state
-from tensorscope._torch import ORIGINAL_FROMBUFFER, treat_as_plain_for_tracing
+from tensorscope._thread import (
+    CURRENT_SCOPE,
+    NATIVE_OPS,
+    ThreadState,
+    owning_scope,
+    thread_state,
+)
+from tensorscope._torch import ORIGINAL_FROMBUFFER, graph_task_id, treat_as_plain_for_tracing
 from tensorscope.ref import TensorRef, release_pending, stock_stand_ins, unown_buffer
 
 __all__ = [
@@ -42,7 +51,7 @@ __all__ = [
     "settle",
 ]
 
-PLAIN, MUTATING, GRAD_CANDIDATE, RECORD_ENTER, RECORD_EXIT = 0, 1, 2, 5, 6
+PLAIN, MUTATING, GRAD_CANDIDATE, ALIAS, RECORD_ENTER, RECORD_EXIT = 0, 1, 2, 3, 5, 6
 _KINDS: dict[Any, int] = {}
 _GRAD_MAKERS = {
     "aten::detach",
@@ -53,11 +62,21 @@ _GRAD_MAKERS = {
 }
 
 
+# ``detach`` and ``alias`` outside autograd's engine run unseen (no bytes read, none made):
+# torch's C functions make ``nn.Parameter``s (``_make_subclass``) and subclasses from such
+# aliases with the mode stack stashed, so the mode never saw them there; the C++ op path, a
+# dispatch key that no stash hides, passes them through likewise (csrc/managed.cpp). Inside
+# autograd's engine ``detach`` may be a ``.grad`` in the making (``GRAD_CANDIDATE``).
+_ALIASES = {"aten::detach", "aten::alias"}
+
+
 def _classify(func: Any) -> int:
     schema = func._schema
     kind = PLAIN
     if any(r.alias_info is not None and r.alias_info.is_write for r in schema.returns):
         kind = MUTATING
+    elif schema.name in _ALIASES:
+        kind = ALIAS
     elif schema.name in _GRAD_MAKERS:
         kind = GRAD_CANDIDATE
     elif schema.name == "profiler::_record_function_enter_new":
@@ -98,6 +117,10 @@ class Interceptor(TorchDispatchMode):  # type: ignore[no-untyped-call]
         kind = _KINDS.get(func)
         if kind is None:
             kind = _classify(func)
+        if kind == ALIAS:
+            if graph_task_id() == -1:
+                return func._op(*args, **kwargs) if kwargs else func._op(*args)
+            kind = GRAD_CANDIDATE if func._schema.name == "aten::detach" else PLAIN
         if ACTIVE:
             # Results of ops on managed tensors are managed inside scopes and optimizer steps.
             due = state.unowned_depth > 0 or self._scope() is not None
@@ -111,6 +134,8 @@ class Interceptor(TorchDispatchMode):  # type: ignore[no-untyped-call]
                 state.unowned_depth += optimizer
             elif state.regions and state.regions.pop():
                 state.unowned_depth -= 1
+            if NATIVE_OPS:
+                FAST.res_due(state.unowned_depth > 0)
         return out
 
     def _scope(self) -> Owner | None:
@@ -199,6 +224,8 @@ def acquire(state: ThreadState, *, residency: bool = False) -> None:
         state.residency_users += 1
     else:
         state.scope_users += 1
+        if NATIVE_OPS:  # results of ops on managed tensors may be due: the Python op path
+            FAST.res_counter("scopes", 1)
     if state.mode is None:
         state.mode = Interceptor(state)
     state.sync()
@@ -213,8 +240,10 @@ def release(state: ThreadState, *, residency: bool = False) -> None:
     """
     if residency:
         state.residency_users = max(0, state.residency_users - 1)
-    else:
-        state.scope_users = max(0, state.scope_users - 1)
+    elif state.scope_users > 0:
+        state.scope_users -= 1
+        if NATIVE_OPS:
+            FAST.res_counter("scopes", -1)
     settle(state)
 
 

@@ -81,7 +81,11 @@ from tensorscope._torch import (
 if TYPE_CHECKING:
     from torch.utils._python_dispatch import TorchDispatchMode
 
-__all__ = ["CURRENT_SCOPE", "ThreadState", "all_thread_states", "thread_state"]
+__all__ = ["CURRENT_SCOPE", "NATIVE_OPS", "ThreadState", "all_thread_states", "thread_state"]
+
+# The C++ engine runs the residency manager's op path too (csrc/managed.cpp): the Interceptor
+# is then never left on the mode stack; the engine pushes it for the ops Python must see.
+NATIVE_OPS = FAST is not None and hasattr(FAST, "res_attach")
 
 # The innermost scope entered in this thread / asyncio task (contextvars give both for free).
 CURRENT_SCOPE: ContextVar[Owner | None] = ContextVar("tensorscope_current_scope", default=None)
@@ -155,11 +159,19 @@ class ThreadState:
         mode = self.mode
         if self._mode_wanted():
             if not self.pushed and mode is not None:
-                push_mode(mode)
+                if NATIVE_OPS:  # the C++ op path hands the mode only the ops it must see
+                    FAST.res_attach(mode)
+                else:
+                    push_mode(mode)
                 self.pushed = True
-        elif self.pushed and mode is not None and mode_on_top(mode):
-            pop_mode()
+        elif self.pushed and mode is not None and (NATIVE_OPS or mode_on_top(mode)):
+            if NATIVE_OPS:
+                FAST.res_attach(None)
+            else:
+                pop_mode()
             self.pushed = False
+        if NATIVE_OPS:
+            FAST.res_due(self.unowned_depth > 0)
         self._sync_jit()
         key = self._key_wanted()
         if key != self.key_on:
@@ -183,12 +195,17 @@ class ThreadState:
         the mode popped unless ``keep_mode`` (the residency manager needs it); True if paused."""
         if self.popped_for is not None or not (self.pushed or self.key_on):
             return False
-        if self.pushed and not keep_mode and (self.mode is None or not mode_on_top(self.mode)):
+        if self.pushed and not keep_mode and not self.mode_is_innermost():
             return False
         self.popped_for = reason
         self.mode_kept = keep_mode
         self.sync()
         return True
+
+    def mode_is_innermost(self) -> bool:
+        """Whether the residency mode can be popped now: the innermost mode on this thread's
+        stack (the C++ op path keeps it off the stack: always)."""
+        return self.mode is not None and (NATIVE_OPS or mode_on_top(self.mode))
 
     def resume(self, step_completed: bool = False) -> None:
         """Undo ``pop_for`` (also after a step that raised, at the next scope event).
@@ -214,10 +231,14 @@ class ThreadState:
             return []
         with self.pending_lock:
             pending, self.pending = self.pending, []
+            if NATIVE_OPS and pending:
+                FAST.res_counter("pending", -1)
         return pending
 
     def defer(self, tensors: list[torch.Tensor]) -> None:
         with self.pending_lock:
+            if NATIVE_OPS and not self.pending and tensors:
+                FAST.res_counter("pending", 1)  # the C++ op path hands ops to Python meanwhile
             self.pending.extend(tensors)
 
 
@@ -251,13 +272,17 @@ def _reset_after_fork() -> None:
     the mode popped and no residency routing; what the child makes is its own, as in plain
     PyTorch (a batch a worker made inside the parent's scope came back as that scope's ref)."""
     state = thread_state()
-    if state.pushed and state.mode is not None and mode_on_top(state.mode):
+    if state.pushed and NATIVE_OPS:
+        FAST.res_attach(None)
+    elif state.pushed and state.mode is not None and mode_on_top(state.mode):
         pop_mode()
     if state.key_on:
         set_scope_key_included(False)
         state.key_on = False
     state.pushed = False
     state.mode_kept = False
+    if NATIVE_OPS and state.scope_users:
+        FAST.res_counter("scopes", -state.scope_users)
     state.scope_users = state.residency_users = state.unowned_depth = 0
     state._sync_jit()  # no scope open: TorchScript's setting back
     state.popped_for = None

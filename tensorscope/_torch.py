@@ -88,7 +88,7 @@ class no_dispatch:
     """Run tensorscope's own tensor work unseen: no Python dispatch mode, and the scope
     engines' key excluded on this thread (its results must not become refs)."""
 
-    __slots__ = ("_key", "_modes")
+    __slots__ = ("_key", "_modes", "_native")
 
     def __enter__(self) -> None:
         self._modes = _C._DisableTorchDispatch()
@@ -96,11 +96,19 @@ class no_dispatch:
         self._key = scope_key_included()
         if self._key:
             set_scope_key_included(False)
+        # The C++ op path of the residency manager (csrc/managed.cpp) is off too.
+        self._native = _NATIVE_OPS and not _res_excluded(True)
 
     def __exit__(self, *exc: object) -> None:
+        if self._native:
+            _res_excluded(False)
         if self._key:
             set_scope_key_included(True)
         self._modes.__exit__(*exc)
+
+
+_NATIVE_OPS = FAST is not None and hasattr(FAST, "res_excluded")
+_res_excluded: Any = FAST.res_excluded if _NATIVE_OPS else None
 
 
 graph_task_id = _C._current_graph_task_id

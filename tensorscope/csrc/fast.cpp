@@ -607,7 +607,14 @@ TORCH_LIBRARY_IMPL(_, DeferredInit, m) {
   m.fallback(torch::CppFunction::makeFromBoxedFunction<&fallback>());
 }
 
+bool tensorscope_add_residency(PyObject* module);  // csrc/managed.cpp
+
 PyMODINIT_FUNC PyInit__fast() {
   if (!make_names()) return nullptr;
-  return PyModule_Create(&module);
+  PyObject* created = PyModule_Create(&module);
+  if (created != nullptr && !tensorscope_add_residency(created)) {
+    Py_DECREF(created);
+    return nullptr;
+  }
+  return created;
 }

@@ -87,6 +87,74 @@ class Recorder:
         self.current.keys.append(keys)
         self.current.times.append(at)
 
+    def record_many(
+        self,
+        signatures: list[Hashable],
+        keys: list[tuple[Hashable, ...]],
+        times: list[float],
+    ) -> list[int]:
+        """``record()`` of each op in turn, in bulk; returns the indices of the ops that began
+        a new iteration (where the caller's per-iteration work goes).
+
+        Example:
+            >>> r, s = Recorder(), Recorder()
+            >>> ops = ["a", "b", "c", "d", "e"] * 3
+            >>> for op in ops:
+            ...     r.record(op, ())
+            >>> s.record_many(ops, [()] * 15, [0.0] * 15)
+            [5, 10]
+            >>> (r.iterations, r.position, r.diverged) == (s.iterations, s.position, s.diverged)
+            True
+        """
+        starts: list[int] = []
+        count = len(signatures)
+        done = 0
+        while done < count:
+            trace = self.current
+            # The next op that begins an iteration: the trace's first op again (with at least
+            # _MIN_ITERATION_OPS recorded), or the cut at MAX_ITERATION_OPS.
+            end = min(count, done + MAX_ITERATION_OPS - len(trace))
+            if len(trace) > 0:
+                first_signature, first_keys = trace.signatures[0], trace.keys[0]
+                skip = max(done, done + _MIN_ITERATION_OPS - len(trace))
+                for index in range(skip, end):
+                    if signatures[index] == first_signature and keys[index] == first_keys:
+                        end = index
+                        break
+            else:  # a fresh trace: its first op is this one
+                first_signature, first_keys = signatures[done], keys[done]
+                for index in range(done + _MIN_ITERATION_OPS, end):
+                    if signatures[index] == first_signature and keys[index] == first_keys:
+                        end = index
+                        break
+            if end == done:  # this op begins an iteration
+                self.boundary()
+                starts.append(done)
+                end = min(count, done + 1)
+                self._extend(signatures, keys, times, done, end)
+            else:
+                self._extend(signatures, keys, times, done, end)
+            done = end
+        return starts
+
+    def _extend(
+        self,
+        signatures: list[Hashable],
+        keys: list[tuple[Hashable, ...]],
+        times: list[float],
+        start: int,
+        end: int,
+    ) -> None:
+        trace = self.current
+        index = len(trace)
+        if self.previous is not None and not self.diverged:
+            expected = self._previous_signatures[index : index + end - start]
+            if expected != signatures[start:end]:
+                self.diverged = True
+        trace.signatures.extend(signatures[start:end])
+        trace.keys.extend(keys[start:end])
+        trace.times.extend(times[start:end])
+
     def boundary(self) -> None:
         """End the current iteration: it becomes the prediction for the next one."""
         if len(self.current) == 0:

@@ -41,6 +41,7 @@ from bisect import bisect_left
 
 from tensorscope._units import format_bytes
 from tensorscope.errors import ResidencyError
+from tensorscope.residency import native
 from tensorscope.residency.checkpoint_files import CheckpointFile
 from tensorscope.residency.mapping import PAGE, DiskRegion, MappedFile
 from tensorscope.residency.tempdirs import PrivateDir
@@ -101,6 +102,12 @@ class Arena(MappedFile):
             free[index - 1] = (free[index - 1][0], free[index - 1][1] + free[index][1])
             del free[index]
 
+    def close(self) -> None:
+        fd = self.fd
+        super().close()
+        if self.fd < 0 <= fd:
+            native.forget_arena(fd)
+
     def ensure_file_covers(self, end: int) -> None:
         """Grow the file so that ``[0, end)`` lies inside it; raises ``OSError`` if it cannot."""
         if end > self.high:
@@ -117,6 +124,7 @@ class Arena(MappedFile):
             os.ftruncate(self.fd, self.high + PAGE)
             raise OSError(errno.EFBIG, os.strerror(errno.EFBIG))
         self.high = end
+        native.arena(self)  # the C++ op path checks the canary where it is now
 
     # ---------------------------------------------------------------------------- checks/io
     def refresh(self) -> bool:
@@ -134,6 +142,7 @@ class Arena(MappedFile):
         # Shorter than the data area: cut there. Longer (re-extended, which reads as zeros):
         # where it was cut is unknown, so every region is lost.
         self.cut = size if size < self.high + _CANARY_BYTES else 0
+        native.arena(self)
         return True
 
     def lost_reason(self, offset: int, nbytes: int) -> str | None:

@@ -10,6 +10,7 @@ from collections.abc import Hashable
 import torch
 
 from tensorscope._torch import storage_address
+from tensorscope.residency import native
 from tensorscope.residency.mapping import DiskRegion
 from tensorscope.residency.placement import Placement
 from tensorscope.residency.tiers import TIER_ORDER
@@ -68,6 +69,7 @@ class Ledger:
             self.resident[placement.uid] = placement
         else:
             self.resident.pop(placement.uid, None)
+        native.publish(placement)
 
     def account(self, tier: str, delta: int) -> None:
         total = self.bytes[tier] + delta
@@ -85,6 +87,7 @@ class Ledger:
     def forget(self, placement: Placement, tier: str | None = None) -> DiskRegion | None:
         """Drop ``placement`` (counted on ``tier``, default its own); returns its disk region
         for the caller to release."""
+        native.drop(placement)
         self.placements.pop(placement.key, None)
         self.by_uid.pop(placement.uid, None)
         self.resident.pop(placement.uid, None)

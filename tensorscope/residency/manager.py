@@ -45,7 +45,7 @@ from tensorscope.errors import (
 from tensorscope.graph.order import ModuleOrder
 from tensorscope.graph.record import Recorder
 from tensorscope.policies import Action, Flow, Policy
-from tensorscope.residency import config, room, watch
+from tensorscope.residency import config, native, room, watch
 from tensorscope.residency.disk import DiskTier
 from tensorscope.residency.ledger import Ledger
 from tensorscope.residency.modules import ModuleSupport
@@ -111,6 +111,8 @@ class ResidencyManager(ModuleSupport):
         self._handles: weakref.WeakSet[Any] = weakref.WeakSet()  # live ts.manage() handles
         self.ops = OpPath(self)
         self.converted = 0  # stored tensors converted into offload files (another dtype)
+        native.setup(self.sync_ops)
+        native.set_policy(self._policy)
 
     # ------------------------------------------------------------------------ configuration
     def configure(
@@ -152,9 +154,11 @@ class ResidencyManager(ModuleSupport):
                 self._copy_stream = None
                 self._movers = None
             self._device = new_device
+            self.sync_ops()
             if new_policy is not self._policy:
                 self._policy = new_policy
                 self._recorders.clear()
+                native.set_policy(new_policy)
             self._budget = new_budget
             self.ledger.reset_peaks()
             if new_budget is not None and self.ledger.device_total > new_budget:
@@ -235,6 +239,7 @@ class ResidencyManager(ModuleSupport):
     def report(self, reset: bool = False) -> ResidencyReport:
         """Resident and peak bytes per tier, transfers, prefetches. ``reset`` restarts peaks."""
         with self._lock:
+            self.sync_ops()
             self.sweep()
             ledger = self.ledger
             counts: dict[str, int] = dict.fromkeys(self.tiers, 0)
@@ -318,9 +323,16 @@ class ResidencyManager(ModuleSupport):
             if self.ledger.placements.get(placement.key) is not placement:
                 return None
             placement.wait()
+            while not native.claim(placement):
+                self._room.wait(_WAIT_S)  # a fast op on another thread uses it
             source = placement.tier
-            reason = self.movers().materialize(placement, lost)
+            try:
+                reason = self.movers().materialize(placement, lost)
+            except BaseException:
+                native.publish(placement)
+                raise
             if reason is not None and lost == "keep":
+                native.publish(placement)
                 return reason
             # It leaves the accounting from the tier it was on: ordinary memory is not managed.
             self._forget(placement, tier=source)
@@ -365,7 +377,8 @@ class ResidencyManager(ModuleSupport):
         with self._lock:
             target = None if tier is None else self._check_tier(tier)
             placement = self.register(tensor)
-            self.demote_placement(placement, target)
+            while not self.demote_placement(placement, target):
+                self._room.wait(_WAIT_S)  # a fast op on another thread uses it
 
     def promote(self, tensor: torch.Tensor) -> None:
         """Bring ``tensor``'s data to the device tier, making room under the budget."""
@@ -410,9 +423,62 @@ class ResidencyManager(ModuleSupport):
         """Run ``func`` with its managed operands resident (see oppath.py)."""
         return self.ops.run(func, kind, args, kwargs, results_due)
 
+    def sync_ops(self) -> None:
+        """Replay the ops this thread's C++ op path ran since the last call into the ledger
+        and the recorder, as the Python op path records an op (see native.py)."""
+        engine = native.ENGINE
+        if engine is None:
+            return
+        drained = engine.res_drain()
+        if drained is None:
+            return
+        funcs, uids, clocks, last = drained
+        with self._lock:
+            by_uid = self.ledger.by_uid
+            # Roles resolved first (a sweep while replaying may forget a placement used later),
+            # once per distinct operand tuple (the engine gives equal tuples as one object).
+            roles_of: dict[int, tuple[Hashable, ...]] = {}
+            for operands in uids:
+                if id(operands) not in roles_of:
+                    roles_of[id(operands)] = tuple(by_uid[u].role for u in operands if u in by_uid)
+            roles = [roles_of[id(operands)] for operands in uids]
+            stalled = self.pace.clock_at(0.0)
+            times = [at + stalled for at in clocks] if stalled else clocks
+            recorder = self.recorder()
+            starts = recorder.record_many(funcs, roles, times)
+            # The module order's cursor only moves forward within an iteration: advancing it
+            # over a stretch of ops at once ends where advancing op by op does. Sweeps: the op
+            # path sweeps every _SWEEP_EVERY ops and at each iteration's start; a sweep forgets
+            # what nothing holds, so one sweep at the end forgets what those would have.
+            count = len(roles)
+            since = self._since_sweep
+            sweep_due = False
+            begin = 0
+            for cut in [*starts, count]:
+                if cut > begin:
+                    self.order.advance({r for op in roles[begin:cut] for r in op})
+                    counted = cut - begin
+                    if begin in starts:  # that op's iteration_end() swept
+                        since, counted = 0, counted - 1
+                    sweep_due = sweep_due or since + counted >= _SWEEP_EVERY
+                    since = (since + counted) % _SWEEP_EVERY
+                if cut < count:
+                    self.iteration_end()  # the op at `cut` began a new iteration
+                begin = cut
+            clock = self.clock
+            for uid, index in last.items():
+                placement = by_uid.get(uid)
+                if placement is not None:
+                    placement.last_use = clock + index + 1
+            self.clock = clock + count
+            if sweep_due:
+                self.sweep()
+            self._since_sweep = since
+
     def iteration_boundary(self) -> None:
         """End of an iteration (an optimizer step): the trace so far predicts the next one."""
         with self._lock:
+            self.sync_ops()
             self.recorder().boundary()
             self.iteration_end()
         watch.audit()  # tensors a module gained that no hook saw (see watch.py)
@@ -440,12 +506,20 @@ class ResidencyManager(ModuleSupport):
         index = tiers.index(tier)  # type: ignore[arg-type,unused-ignore]
         return tiers[min(index + 1, len(tiers) - 1)]
 
-    def demote_placement(self, placement: Placement, target: TierName | None = None) -> None:
+    def demote_placement(self, placement: Placement, target: TierName | None = None) -> bool:
+        """Move ``placement`` down; False if a fast op on another thread uses it right now
+        (it counts as pinned, see native.py)."""
         source = placement.tier
         target = target or self._lower(source)
         if TIER_ORDER.index(target) <= TIER_ORDER.index(source):
-            return
-        seconds = self.movers().demote(placement, target)  # raises before changing anything
+            return True
+        if not native.claim(placement):
+            return False
+        try:
+            seconds = self.movers().demote(placement, target)  # raises before changing anything
+        except BaseException:
+            native.publish(placement)  # still where it was: back on the fast path
+            raise
         self.ledger.moved(placement, source, seconds)
         region = placement.region
         if (
@@ -456,6 +530,7 @@ class ResidencyManager(ModuleSupport):
         ):
             region.uncache()  # see the NOTE in DiskTier.streams
         self.release_heap()
+        return True
 
     def promote_placement(self, placement: Placement, checked: bool = False) -> None:
         if placement.tier == "device":
@@ -508,6 +583,7 @@ class ResidencyManager(ModuleSupport):
         waits, its pins would block the others)."""
         budget = self._budget
         ledger = self.ledger
+        self.sync_ops()
         while budget is not None and ledger.device_total + needed > budget:
             if self._since_sweep > 8:
                 self.sweep()  # placements nothing holds any more free room for nothing
@@ -521,7 +597,7 @@ class ResidencyManager(ModuleSupport):
                     self.demote_placement(placement)
                     if ledger.device_total + needed <= budget:
                         return
-            if self.in_flight > 0:  # other threads' ops hold the bytes: wait for one
+            if self.in_flight + native.in_flight() > 0:  # other threads' ops hold the bytes
                 if holding_pins:
                     raise Blocked
                 self._room.wait(_WAIT_S)

@@ -19,6 +19,7 @@ import torch
 
 from tensorscope._torch import no_dispatch, tensor_over
 from tensorscope.errors import ResidencyError, ResidencyWarning
+from tensorscope.residency import native
 from tensorscope.residency.checkpoint_files import StoredTensor
 from tensorscope.residency.ledger import Ledger
 from tensorscope.residency.movers import Movers, describe, lost_on_remove
@@ -72,7 +73,7 @@ class ModuleSupport:
 
         def demote_placement(
             self, placement: Placement, target: TierName | None = None
-        ) -> None: ...
+        ) -> bool: ...
 
         def unregister(self, placement: Placement, lost: str = "keep") -> str | None: ...
 
@@ -183,6 +184,7 @@ class ModuleSupport:
         """Copy on first write (see checkpoint_files.py's NOTE)."""
         with self._lock:
             self.movers().relocate(placement)
+            native.publish(placement)
 
     def replace_lost(self, placement: Placement) -> None:
         """A placement whose bytes are lost gets new memory on the device, for an op that
@@ -239,6 +241,8 @@ class ModuleSupport:
                 if reason is not None:
                     poisoned.append((placement, reason))
             self.sweep()
+            if native.ENGINE is not None:
+                native.ENGINE.res_drain()  # this thread's unreplayed fast ops: forgotten too
             self.ledger = Ledger()
             self._recorders.clear()
             self.order.clear()

@@ -156,6 +156,7 @@ class OpPath:
         """Make the op ready to run; returns the bytes reserved for its results."""
         manager = self.manager
         with manager._lock:
+            manager.sync_ops()  # first the ops the C++ op path ran (native.py)
             manager.clock += 1
             manager._since_sweep += 1
             if manager._since_sweep >= _SWEEP_EVERY:

@@ -35,6 +35,11 @@ class Pace:
         """Seconds of compute so far: wall time minus the time spent waiting for reads."""
         return time.perf_counter() - self._stalled
 
+    def clock_at(self, counter: float) -> float:
+        """The compute clock at ``counter`` (a ``time.perf_counter()`` value of an op the C++
+        op path ran: no stall since, it runs only while nothing moves)."""
+        return counter - self._stalled
+
     def stalled(self, seconds: float) -> None:
         """An op waited ``seconds`` for its operands' bytes."""
         if seconds > 0:

@@ -17,6 +17,7 @@ from collections.abc import Hashable
 import torch
 
 from tensorscope._torch import storage_use_count
+from tensorscope.residency import native
 from tensorscope.residency.mapping import DiskRegion
 from tensorscope.residency.tiers import TierName
 
@@ -29,6 +30,7 @@ class Placement:
     """Where one managed storage's bytes are."""
 
     __slots__ = (
+        "_region",
         "group",
         "host",
         "key",
@@ -37,7 +39,6 @@ class Placement:
         "owner",
         "pending",
         "pins",
-        "region",
         "restore",
         "role",
         "storage",
@@ -52,7 +53,7 @@ class Placement:
         self.key = int(storage._cdata)
         self.nbytes = storage.nbytes()
         self.tier: TierName = "device"
-        self.region: DiskRegion | None = None  # the disk copy (CPU device: the memory itself)
+        self._region: DiskRegion | None = None  # the disk copy (CPU device: the memory itself)
         self.host: torch.UntypedStorage | None = None  # pinned copy (CUDA device only)
         self.role: Hashable = self.uid if role is None else role  # identity across iterations
         self.group = group  # uid of the parameter this belongs to (its grad, optimizer state)
@@ -65,6 +66,16 @@ class Placement:
         # ``nn.Parameter(p)``) and their classes before ts.manage(), restored when unmanaged.
         self.restore: list[tuple[weakref.ref[torch.Tensor], type[torch.Tensor]]] = []
         self.owner: weakref.ref[object] | None = None  # the ts.manage() handle, if any
+
+    @property
+    def region(self) -> DiskRegion | None:
+        """The disk copy (CPU device: the memory itself), or None."""
+        return self._region
+
+    @region.setter
+    def region(self, region: DiskRegion | None) -> None:
+        self._region = region
+        native.publish(self, create=False)  # the C++ op path checks where its memory lies
 
     def alive_elsewhere(self) -> bool:
         """Whether anything but this placement still holds the storage."""
@@ -84,6 +95,7 @@ class Placement:
         else:
             torch.cuda.current_stream().wait_event(pending)
         self.pending = None
+        native.publish(self, create=False)  # on the fast path again (if managed still)
 
     def __repr__(self) -> str:
         return f"<Placement #{self.uid} {self.nbytes} B on {self.tier}>"
