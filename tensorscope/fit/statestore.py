@@ -48,7 +48,7 @@ MIN_SPILL_BYTES = 4096
 # block is written out again. The update holds one block of state and of the update's
 # temporaries instead of all of it. Only for optimizers whose update is elementwise
 # (KNOWN_OPTIMIZERS, not `fused`: the fused kernels round differently at a block's edges), where
-# the result is bit-identical to one whole update (tests/fit/test_fit_state.py). A block whose
+# the result is bit-identical to one whole update (tests/fit/test_fit_state_rows.py). A block whose
 # write fails stays in memory (FitWarning), as a whole tensor does; a read that fails in the
 # middle leaves the earlier blocks updated and raises (the file was damaged behind our back).
 
