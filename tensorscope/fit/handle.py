@@ -21,8 +21,8 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.optim.optimizer import register_optimizer_step_post_hook
 
+from tensorscope import _step_hooks
 from tensorscope._units import format_bytes, parse_bytes
 from tensorscope.checkpoint.blocks import CheckpointedChain, checkpoint_chain
 from tensorscope.errors import (
@@ -56,11 +56,12 @@ _FITTED: weakref.WeakKeyDictionary[Any, weakref.ref[Fit]] = weakref.WeakKeyDicti
 # A step begins at the model's first training forward (train() mode, grad enabled) after the
 # previous optimizer step and ends when `optimizer.step()` returns (its step post-hook). The
 # forward pre-hook is the model's own (with kwargs: the batch's bytes tell a larger batch), the
-# post-hook a global one, filtered; both are removed by remove(). A recording opened in the
-# pre-hook and closed in the post-hook registers no global hook there: the recorder's global
-# hooks are installed once, when the Fit is made (torch iterates its hook dicts while calling
-# them). The step's blocks are found in the plan by module identity (`plan.module_ids`), which
-# holds whichever module the recorder saw first as the root.
+# post-hook a global one, filtered (ours, see _step_hooks.py: torch's dict of global step hooks
+# is never mutated while another thread may be stepping); both are removed by remove(). A
+# recording opened in the pre-hook and closed in the post-hook registers no global hook there:
+# the recorder's global hooks are installed once, when the Fit is made (torch iterates its hook
+# dicts while calling them). The step's blocks are found in the plan by module identity
+# (`plan.module_ids`), which holds whichever module the recorder saw first as the root.
 #
 # NOTE [steps of a fit]
 #   measure  (step 1; again after a larger batch): recorded as plan_before; the chain runs
@@ -179,9 +180,9 @@ class Fit:
         self._loss = threading.local()  # this thread's LossMode stack (fit/loss.py)
         self.loss_routed = 0
         self.loss_shape: tuple[int, ...] = ()
-        # global, after the recorder's (installed above): torch runs an optimizer's own post
-        # hooks before the global ones, and the recorder notes optimizer state in its hook
-        self._global = register_optimizer_step_post_hook(_weak_after(weakref.ref(self)))
+        # global, after the recorder's (rank 0): torch runs an optimizer's own post hooks
+        # before the global ones, and the recorder notes optimizer state in its hook
+        self._global = _step_hooks.add_post(_weak_after(weakref.ref(self)), rank=1)
         # a model dropped without remove(): its hooks go with it, and so do these
         self._finalizer = weakref.finalize(self, _release, self._global)
 

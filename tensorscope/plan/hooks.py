@@ -25,11 +25,8 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
-from torch.optim.optimizer import (
-    register_optimizer_step_post_hook,
-    register_optimizer_step_pre_hook,
-)
 
+from tensorscope import _step_hooks
 from tensorscope._torch import graph_task_id
 from tensorscope.plan.mode import recorder_here, skip_in_dynamo
 from tensorscope.plan.recorder import Recorder, Watch
@@ -48,10 +45,14 @@ def install() -> None:
     if _handles:
         return
     module_hooks: Any = torch.nn.modules.module
+    # torch copies its global forward hooks out of their dict before calling them (one step
+    # under the GIL), so adding them here cannot fail another thread's forward; only a forward
+    # that raised walks the dict while calling the always_call ones, a window left open.
     _handles.append(module_hooks.register_module_forward_pre_hook(_before_forward))
     _handles.append(module_hooks.register_module_forward_hook(_after_forward, always_call=True))
-    _handles.append(register_optimizer_step_pre_hook(_at_step))
-    _handles.append(register_optimizer_step_post_hook(_at_step))
+    # torch's optimizer hooks are not touched again once registered (see _step_hooks.py)
+    _handles.append(_step_hooks.add_pre(_at_step, rank=0))
+    _handles.append(_step_hooks.add_post(_at_step, rank=0))
 
 
 def uninstall() -> None:

@@ -26,8 +26,8 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
-from torch.optim.optimizer import register_optimizer_step_post_hook
 
+from tensorscope import _step_hooks
 from tensorscope.errors import InvalidArgumentError, PlanError
 from tensorscope.plan import hooks
 from tensorscope.plan.model import MemoryPlan
@@ -57,7 +57,7 @@ class _Boundaries:
         module_hooks: Any = torch.nn.modules.module
         self.handles.append(module_hooks.register_module_forward_pre_hook(self.first_forward))
         hooks.install()  # the recorder's hooks, after ours (see the NOTE)
-        self.handles.append(register_optimizer_step_post_hook(self.after_step))
+        self.handles.append(_step_hooks.add_post(self.after_step, rank=1))
 
     def remove(self) -> None:
         if self.current is not None:

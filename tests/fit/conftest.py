@@ -1,13 +1,16 @@
-"""Offload tests run with one intra-op thread (tiny tensors on a shared 2-core machine: see
-tests/compat/conftest.py); plain and offloaded runs use the same setting, so bit-for-bit
-comparisons hold."""
+"""Fit and offload tests run with one intra-op thread (tiny tensors on a shared 2-core machine:
+see tests/compat/conftest.py); plain and fitted runs use the same setting, so bit-for-bit
+comparisons hold. No test leaves a step hook of ours behind once its fits are gone."""
 
 from __future__ import annotations
 
+import gc
 from collections.abc import Iterator
 
 import pytest
 import torch
+
+from tensorscope import _step_hooks
 
 
 @pytest.fixture(autouse=True)
@@ -16,3 +19,5 @@ def _one_thread() -> Iterator[None]:
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+    gc.collect()  # a fit dropped without remove() takes its hooks with it
+    assert _step_hooks.active() == 0, "a test left a step hook of ours added"

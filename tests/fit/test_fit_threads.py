@@ -7,6 +7,7 @@ import threading
 from typing import Any
 
 import torch
+from torch.optim.optimizer import register_optimizer_step_post_hook
 
 import tensorscope as ts
 
@@ -24,6 +25,7 @@ def _no_dropout(model: torch.nn.Module) -> torch.nn.Module:
 
 
 def _train(name: str, budget: int, out: dict[str, Any]) -> None:
+    fit = None
     try:
         model = _no_dropout(tiny(name))
         ref = twin(model)
@@ -36,9 +38,11 @@ def _train(name: str, budget: int, out: dict[str, Any]) -> None:
             )
         out["differing"] = differing(model, ref)
         out["decided"] = fit.decision is not None
-        fit.remove()
     except BaseException as exc:  # reported by the main thread
         out["error"] = exc
+    finally:
+        if fit is not None:
+            fit.remove()
 
 
 def test_two_threads_fit_their_own_models() -> None:
@@ -56,6 +60,49 @@ def test_two_threads_fit_their_own_models() -> None:
         assert "error" not in out, (name, out.get("error"))
         assert all(a == b for a, b in out["losses"]), (name, out["losses"])
         assert out["differing"] == [] and out["decided"], name
+
+
+def test_fits_made_and_removed_while_another_thread_is_inside_its_step() -> None:
+    # torch iterates its global step hooks while calling them: a hook added or removed by
+    # another thread there fails that step ("OrderedDict mutated during iteration")
+    inside, leave = threading.Event(), threading.Event()
+    errors: list[BaseException] = []
+
+    def wait_inside_the_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        if threading.current_thread() is worker:
+            inside.set()
+            leave.wait(60)
+
+    def plain_steps() -> None:
+        try:
+            model = torch.nn.Linear(8, 8)
+            opt = torch.optim.SGD(model.parameters(), lr=0.1)
+            model(torch.randn(2, 8)).sum().backward()
+            opt.step()
+        except BaseException as exc:  # reported by the main thread
+            errors.append(exc)
+
+    handles = [
+        register_optimizer_step_post_hook(wait_inside_the_step),
+        register_optimizer_step_post_hook(lambda *_: None),  # the iteration goes on after it
+    ]
+    worker = threading.Thread(target=plain_steps)
+    try:
+        worker.start()
+        assert inside.wait(60)
+        model = tiny("gpt2")
+        opt = optimizer("adamw", model)
+        fit = ts.fit(model, opt, budget=int(plain_peak("gpt2", "adamw") * 0.6))
+        step(model, opt, next(batches("gpt2")), seed=0)  # records, decides, applies
+        fit.remove()
+        with ts.record():
+            pass
+    finally:
+        leave.set()
+        worker.join(60)
+        for handle in handles:
+            handle.remove()
+    assert not errors, errors
 
 
 class _Tokens(torch.utils.data.Dataset[dict[str, torch.Tensor]]):
