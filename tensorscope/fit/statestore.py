@@ -92,6 +92,11 @@ def _counted(value: Any) -> bool:  # spillable, or a placeholder of a spilled te
     )
 
 
+def _per_element(value: Any, p: torch.Tensor) -> bool:
+    """A state tensor with one entry per element of ``p`` (its rows go with ``p``'s rows)."""
+    return isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape == p.shape
+
+
 def _in_rows(value: torch.Tensor, block: int) -> list[tuple[int, int]] | None:
     """The row blocks ``value`` is written in (None: written whole)."""
     if (
@@ -343,7 +348,7 @@ class StateStore:
                 for key, value in values.items():
                     if key in split:
                         part[key] = self._read_block(split[key], split[key].blocks[i])  # type: ignore[index]
-                    elif isinstance(value, torch.Tensor) and value.dim() and value.shape == p.shape:
+                    elif _per_element(value, p):
                         part[key] = value[start:stop]  # kept in memory: updated in place
                     elif isinstance(value, torch.Tensor):
                         part[key] = value.clone()  # each block starts from the same count
@@ -359,7 +364,7 @@ class StateStore:
                 for key, value in values.items():
                     if key in split or part[key] is value:
                         continue
-                    if isinstance(value, torch.Tensor) and value.dim() and value.shape == p.shape:
+                    if _per_element(value, p):
                         value[start:stop].copy_(part[key])  # the optimizer replaced the view
                     else:
                         last[key] = part[key]
