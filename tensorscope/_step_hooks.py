@@ -74,22 +74,25 @@ def _register_once() -> None:
 _register_once()
 
 
+def _add(hook: StepHook, rank: int, post: bool) -> StepHookHandle:
+    global _pre, _post
+    with _lock:
+        entry = (rank, next(_order), hook)
+        if post:
+            _post = tuple(sorted((*_post, entry), key=lambda e: (e[0], e[1])))
+        else:
+            _pre = tuple(sorted((*_pre, entry), key=lambda e: (e[0], e[1])))
+    return StepHookHandle(entry[1], post)
+
+
 def add_pre(hook: StepHook, rank: int = 0) -> StepHookHandle:
     """Run ``hook(optimizer, args, kwargs)`` before every optimizer step of the process."""
-    global _pre
-    with _lock:
-        key = next(_order)
-        _pre = tuple(sorted((*_pre, (rank, key, hook)), key=lambda e: (e[0], e[1])))
-    return StepHookHandle(key, post=False)
+    return _add(hook, rank, post=False)
 
 
 def add_post(hook: StepHook, rank: int = 0) -> StepHookHandle:
     """Run ``hook(optimizer, args, kwargs)`` after every optimizer step of the process."""
-    global _post
-    with _lock:
-        key = next(_order)
-        _post = tuple(sorted((*_post, (rank, key, hook)), key=lambda e: (e[0], e[1])))
-    return StepHookHandle(key, post=True)
+    return _add(hook, rank, post=True)
 
 
 def active() -> int:
