@@ -20,7 +20,8 @@ LAYERS: list[tuple[str, ...]] = [
     ("errors", "_fast"),  # the exception hierarchy; the C++ engine (csrc/fast.cpp)
     ("_units", "policies", "graph"),  # pure Python: no torch plumbing
     ("_engine",),  # the C++ scope engine, when built
-    ("_torch", "_sites"),  # typed doors to torch internals; creation sites
+    # typed doors to torch internals; creation sites; our global optimizer-step hooks
+    ("_torch", "_sites", "_step_hooks"),
     ("_state", "_slot"),  # ref records and the owner contract; the residency slot
     ("_thread",),  # per-thread state
     ("_plain", "_reach"),  # plain-tensor protocols of refs; tensors reachable from a value
