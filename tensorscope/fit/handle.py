@@ -39,7 +39,12 @@ from tensorscope.fit.loss import LossMode
 from tensorscope.fit.offload_rules import Bandwidth
 from tensorscope.fit.report import Facts, explain
 from tensorscope.fit.rows import ROW_BLOCK_BYTES
-from tensorscope.fit.statestore import StateStore, per_parameter_state_bytes, row_safe
+from tensorscope.fit.statestore import (
+    StateStore,
+    first_step_floor,
+    per_parameter_state_bytes,
+    row_safe,
+)
 from tensorscope.plan import hooks as plan_hooks
 from tensorscope.plan.mode import recorder_here
 from tensorscope.plan.model import MemoryPlan
@@ -605,4 +610,29 @@ def make_fit(model: Any, optimizer: Any, budget: Any, *, blocks: str | None = No
                 )
         handle = Fit(model, opt, nbytes, blocks)
         _FITTED[model] = _FITTED[opt] = weakref.ref(handle)
+    _warn_if_the_first_step_cannot_fit(opt, nbytes)
     return handle
+
+
+def _warn_if_the_first_step_cannot_fit(optimizer: torch.optim.Optimizer, budget: int) -> None:
+    """Say before it runs that the measuring step will pass the budget: it keeps gradients and
+    its ``optimizer.step()`` makes the whole optimizer state (on CUDA: an out-of-memory error
+    the user should be able to foresee)."""
+    params, grads, state = first_step_floor(optimizer)
+    floor = params + grads + (state or 0)
+    if floor <= budget:
+        return
+    parts = f"parameters {format_bytes(params)} + gradients {format_bytes(grads)}"
+    if state is None:
+        parts += " (+ the state of an optimizer ts.fit does not know)"
+    elif state:
+        parts += f" + optimizer state {format_bytes(state)}"
+    warnings.warn(
+        f"{_SUB}: the first step, recorded to measure, keeps every gradient and its "
+        f"optimizer.step() makes the whole optimizer state: it holds at least {parts} = "
+        f"{format_bytes(floor)}, above the budget of {format_bytes(budget)}. It will pass the "
+        f"budget once (on a GPU it may run out of memory); the steps after it run under the "
+        f"budget when a plan fits it.",
+        FitWarning,
+        stacklevel=3,
+    )

@@ -119,6 +119,53 @@ def row_safe(optimizer: torch.optim.Optimizer) -> bool:
     )
 
 
+def _state_tensors_per_element(optimizer: torch.optim.Optimizer, group: dict[str, Any]) -> int:
+    """How many tensors the size of a parameter a known optimizer keeps for it (its class's
+    ``_init_group``); -1: an optimizer this does not know."""
+    kind = type(optimizer)
+    if kind is torch.optim.SGD:
+        return int(group.get("momentum", 0) != 0)
+    if kind in (torch.optim.Adam, torch.optim.AdamW):
+        return 2 + int(bool(group.get("amsgrad")))
+    if kind is torch.optim.RMSprop:
+        return 1 + int(group.get("momentum", 0) > 0) + int(bool(group.get("centered")))
+    if kind is torch.optim.Adagrad:
+        return 1
+    if kind in (torch.optim.Adadelta, torch.optim.Adamax, torch.optim.NAdam, torch.optim.RAdam):
+        return 2
+    return -1
+
+
+def first_step_floor(optimizer: torch.optim.Optimizer) -> tuple[int, int, int | None]:
+    """Bytes the measuring step holds at its ``optimizer.step()`` at the least: (parameters,
+    their gradients, the optimizer state the step has made whole; None for an optimizer this
+    does not know). State already made counts as it is.
+
+    Example:
+        >>> w = torch.nn.Parameter(torch.zeros(256))
+        >>> first_step_floor(torch.optim.AdamW([w]))
+        (1024, 1024, 2048)
+    """
+    params = grads = state = 0
+    known = True
+    for group in optimizer.param_groups:
+        per_element = _state_tensors_per_element(optimizer, group)
+        for p in group["params"]:
+            nbytes = p.nbytes
+            params += nbytes
+            if not p.requires_grad:
+                continue
+            grads += nbytes
+            made = optimizer.state.get(p)
+            if made:
+                state += sum(v.nbytes for v in made.values() if isinstance(v, torch.Tensor))
+            elif per_element < 0:
+                known = False
+            else:
+                state += per_element * nbytes
+    return params, grads, (state if known else None)
+
+
 def per_parameter_state_bytes(optimizer: torch.optim.Optimizer) -> tuple[int, int]:
     """The most bytes of state one parameter holds (what is read back for one update), and
     how many tensors of state are moved in all."""

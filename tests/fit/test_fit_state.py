@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import warnings
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -163,3 +164,46 @@ def test_a_managed_model_keeps_its_optimizer_state_with_the_residency_manager() 
         assert not differing(model, ref)
     finally:
         ts.residency.configure(device="cpu", policy="flow", budget=None, offload_dir=None)
+
+
+@pytest.mark.parametrize(
+    ("make", "per_element"),
+    [
+        (lambda ps: torch.optim.AdamW(ps), 2),
+        (lambda ps: torch.optim.Adam(ps, amsgrad=True), 3),
+        (lambda ps: torch.optim.SGD(ps, lr=0.1), 0),
+        (lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9), 1),
+        (lambda ps: torch.optim.RMSprop(ps, momentum=0.5, centered=True), 3),
+    ],
+)
+def test_the_first_step_floor_is_the_state_the_first_step_makes(
+    make: Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer], per_element: int
+) -> None:
+    from tensorscope.fit.statestore import first_step_floor
+
+    model = tiny("gpt2")
+    opt = make(list(model.parameters()))
+    params, grads, state = first_step_floor(opt)
+    weights = sum(p.nbytes for p in model.parameters())
+    assert (params, grads, state) == (weights, weights, per_element * weights)
+    step(model, opt, next(batches("gpt2")))
+    made = sum(
+        v.nbytes for s in opt.state.values() for v in s.values() if isinstance(v, torch.Tensor)
+    )
+    scalars = sum(1 for s in opt.state.values() for v in s.values() if v.dim() == 0)
+    assert made - scalars * 4 == state  # the estimate, less the scalar `step` counters
+    assert first_step_floor(opt)[2] == made  # made state counts as it is
+
+
+def test_a_budget_the_first_step_cannot_meet_is_said_before_it_runs() -> None:
+    model = tiny("gpt2")
+    opt = optimizer("adamw", model)
+    weights = sum(p.nbytes for p in model.parameters())
+    with pytest.warns(FitWarning, match="first step, recorded to measure") as seen:
+        fit = ts.fit(model, opt, budget=4 * weights - 1)
+    message = str(seen[0].message)
+    assert "optimizer state" in message and "above the budget" in message
+    fit.remove()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FitWarning)
+        ts.fit(model, opt, budget=4 * weights).remove()
