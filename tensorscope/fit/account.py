@@ -45,7 +45,10 @@ __all__ = ["StepBase", "chain_ops", "step_base"]
 # with gradients freed at their update, each parameter's state only at its update (where
 # what_if's model moved it; a parameter that gets no gradient is never read back). A parameter
 # whose state is split in row blocks (fit/rows.py) is then updated one block at a time: its
-# state and its update's temporaries count one block each.
+# state and its update's temporaries count one block each. With gradients kept and the state
+# in the next tier, the store runs `optimizer.step()` one parameter at a time (``stepwise``,
+# statestore.py NOTE [a kept-gradient step one parameter at a time]): from the step's first op
+# on, one parameter's state is resident -- the largest, or one row block of a split one.
 
 _ACTIVATION_LIKE = ("activation", "temporary", "other")
 
@@ -153,12 +156,14 @@ def step_base(
     free_gradients: bool = False,
     offload_state: bool = False,
     state_block: int = 0,
+    stepwise: bool = False,
 ) -> StepBase:
     """The step's memory outside the chain whose blocks ran as ``paths`` (none: no chain);
     ``offload_state``: the optimizer state is in the next tier between updates (NOTE [the step
     around the chain]); ``state_block`` (with both): a parameter whose state is split in row
     blocks of that many bytes (fit/rows.py) is updated one block at a time, so its state and its
-    update's temporaries count one block each.
+    update's temporaries count one block each; ``stepwise`` (with ``offload_state``, gradients
+    kept): the step updates one parameter at a time, so one parameter's state counts.
 
     Example:
         >>> from tensorscope.plan.model import Lifetime, MemoryPlan, OpInfo
@@ -182,6 +187,13 @@ def step_base(
         >>> offloaded = step_base(plan, ["h.0"], offload_state=True)
         >>> offloaded.under_chain, offloaded.outside, offloaded.offloaded_bytes
         (100, 300, 200)
+        >>> lives[3] = dataclasses.replace(lives[3], owner=0)  # the state of two parameters
+        >>> lives.append(dataclasses.replace(life(4, "optimizer_state", 120, 5, None), owner=1))
+        >>> plan = dataclasses.replace(plan, lifetimes=lives)
+        >>> step_base(plan, ["h.0"], offload_state=True).outside
+        420
+        >>> step_base(plan, ["h.0"], offload_state=True, stepwise=True).outside
+        300
     """
     state = _Intervals(plan)
     if free_gradients:
@@ -203,7 +215,10 @@ def step_base(
     largest = dict.fromkeys(("parameter", "gradient", "optimizer_state"), 0)
     step_start: Position = (plan.optimizer_steps[0][0] if plan.optimizer_steps else n, -2, 0)
     offloaded = 0
-    in_rows = _updated_in_rows(plan, state_block) if offload_state and free_gradients else set()
+    one_at_a_time = offload_state and (free_gradients or stepwise)
+    in_rows = _updated_in_rows(plan, state_block) if one_at_a_time else set()
+    each: dict[int, int] = {}  # stepwise: a parameter's state bytes (row-capped)
+    each_end: Position = step_start
     for index, parts in state.parts.items():
         life = plan.lifetimes[index]
         if life.owner in in_rows and life.category in ("optimizer_state", "temporary"):
@@ -222,10 +237,16 @@ def step_base(
                             (start, (start[0], 2, 0), parts[-1][2], rank[life.category])
                         )
                     continue
+                if stepwise:
+                    each[life.owner] = each.get(life.owner, 0) + min(parts[-1][2], life.nbytes)
+                    each_end = max(each_end, parts[-1][1])
+                    continue
                 first = step_start
             parts = [(first, parts[-1][1], life.nbytes, rank[life.category])]
         intervals.extend(parts)
     intervals.extend(state.extra)
+    if each:  # one parameter's state at a time, from the step's first op
+        intervals.append((step_start, each_end, max(each.values()), rank["optimizer_state"]))
     for category in largest:
         own = [part for part in intervals if part[3] == rank[category]]
         largest[category] = peak_of(own, len(CATEGORIES))[0]

@@ -287,6 +287,8 @@ class Fit:
             self._states.after_step()
         if self._inb is not None and self._inb.updating:
             return
+        if self._states is not None and self._states.stepping:  # one parameter's update
+            return
         if self._step_start is None:
             return
         elapsed = time.perf_counter() - self._step_start
@@ -351,11 +353,17 @@ class Fit:
                 free_gradients=base.free_gradients,
                 offload_state=True,
                 state_block=block,
+                stepwise=self._stepwise_ok(),
             )
             if moved.offloaded_bytes:
                 seconds = self._state_bandwidth().seconds(moved.offloaded_bytes, tensors)
                 bases.append(dataclasses.replace(moved, seconds=moved.seconds + seconds))
         return bases
+
+    def _stepwise_ok(self) -> bool:
+        """Whether a kept-gradient step can run one parameter at a time (statestore.py NOTE
+        [a kept-gradient step one parameter at a time]): an optimizer ts.fit knows."""
+        return self.optimizer_note is None
 
     def _row_safe(self) -> bool:
         return self.optimizer_note is None and row_safe(self.optimizer)
@@ -421,10 +429,13 @@ class Fit:
             raise
         self.decision = decision
         # NOTE [updates in row blocks] (statestore.py)
-        in_rows = decision.free_gradients and decision.chosen.base.state_offloaded
-        if decision.chosen.base.state_offloaded:
+        offloaded = decision.chosen.base.state_offloaded
+        stepwise = offloaded and not decision.free_gradients and self._stepwise_ok()
+        in_rows = offloaded and (decision.free_gradients or stepwise)
+        if offloaded:
             states = self._state_store()
             states.enabled = True
+            states.stepwise = stepwise
             states.set_row_block(ROW_BLOCK_BYTES if in_rows and self._row_safe() else 0)
             states.spill(dict(self.optimizer.state))
         elif self._states is not None:
@@ -521,8 +532,13 @@ class Fit:
         base = self.decision.chosen.base if self.decision is not None else None
         if base is not None and base.state_offloaded and self._states is not None:
             when = "read back for optimizer.step()"
-            if base.free_gradients:
-                when = "one parameter's read back for its update inside backward"
+            if base.free_gradients or self._states.stepwise:
+                when = (
+                    "one parameter's read back for its update inside backward"
+                    if base.free_gradients
+                    else "optimizer.step() run one parameter at a time, each one's read back "
+                    "for its update"
+                )
                 if self._states.row_block:
                     when += (
                         f", state above {format_bytes(self._states.row_block)} a block of rows "

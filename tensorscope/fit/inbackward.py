@@ -12,7 +12,7 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["KNOWN_OPTIMIZERS", "InBackward", "unknown_optimizer"]
+__all__ = ["KNOWN_OPTIMIZERS", "InBackward", "narrowed", "parameters_of", "unknown_optimizer"]
 
 # NOTE [the update inside backward]
 # When a parameter's gradient is final (its AccumulateGrad node ran: every use of the
@@ -98,16 +98,11 @@ class InBackward:
 
     @contextmanager
     def _only(self, p: torch.Tensor, group: dict[str, Any]) -> Iterator[None]:
-        opt = self.optimizer
-        groups, params = opt.param_groups, group["params"]
-        opt.param_groups = [group]
-        group["params"] = [p]
         self.updating = True
         try:
-            yield
+            with narrowed(self.optimizer, p, group):
+                yield
         finally:
-            group["params"] = params
-            opt.param_groups = groups
             self.updating = False
 
     def update(self, p: torch.Tensor, group: dict[str, Any]) -> None:
@@ -128,6 +123,22 @@ class InBackward:
         """Remove the hooks (idempotent)."""
         while self._handles:
             self._handles.pop().remove()
+
+
+@contextmanager
+def narrowed(
+    optimizer: torch.optim.Optimizer, p: torch.Tensor, group: dict[str, Any]
+) -> Iterator[None]:
+    """``optimizer.param_groups`` narrowed to ``p``'s own group holding only ``p`` (the group
+    dict is the real one: a scheduler's ``lr`` is seen, what the step writes stays)."""
+    groups, params = optimizer.param_groups, group["params"]
+    optimizer.param_groups = [group]
+    group["params"] = [p]
+    try:
+        yield
+    finally:
+        group["params"] = params
+        optimizer.param_groups = groups
 
 
 def parameters_of(optimizer: torch.optim.Optimizer) -> list[nn.Parameter]:

@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from tensorscope.errors import FitWarning, ResidencyError
-from tensorscope.fit.inbackward import KNOWN_OPTIMIZERS
+from tensorscope.fit.inbackward import KNOWN_OPTIMIZERS, narrowed
 from tensorscope.fit.offload_rules import Bandwidth
 from tensorscope.fit.offload_store import Store, make_store, measure_store
 from tensorscope.fit.rows import row_ranges
@@ -51,6 +51,19 @@ MIN_SPILL_BYTES = 4096
 # the result is bit-identical to one whole update (tests/fit/test_fit_state_rows.py). A block whose
 # write fails stays in memory (FitWarning), as a whole tensor does; a read that fails in the
 # middle leaves the earlier blocks updated and raises (the file was damaged behind our back).
+#
+# NOTE [a kept-gradient step one parameter at a time]
+# With gradients kept until `optimizer.step()` (clipping, a GradScaler, accumulation) and the
+# state in the next tier, reading every parameter's state back for the step would hold all of
+# it at once. So with `stepwise` on, the optimizer's step pre-hook runs the update itself, one
+# parameter at a time: the user's optimizer (its class's `step`, `param_groups` narrowed to the
+# parameter, fit/inbackward.py) with that parameter's state read back -- in row blocks where it
+# is split (NOTE [updates in row blocks]) -- then written out again. Each updated parameter's
+# gradient is set aside, so the step itself finds no gradient and updates nothing (torch's
+# optimizers skip a parameter whose `.grad` is None), and the gradients are put back by the
+# step's post-hook (or at once if an update raises). The step holds one parameter's state (or
+# one block of it) instead of all. Same bits as the whole step for KNOWN_OPTIMIZERS on the CPU:
+# their per-tensor code is what the whole step runs. A step given a closure runs whole.
 
 
 @dataclass
@@ -209,9 +222,14 @@ class StateStore:
         self.row_block = 0  # > 0: tensors above it are written in row blocks of at most it
         self.block_updates = 0  # parameters updated block by block
         self._busy = False  # inside a block-by-block update: the optimizer's hooks stay out
+        self.stepwise = False  # NOTE [a kept-gradient step one parameter at a time]
+        self.stepping = False  # inside one parameter's step of a stepwise optimizer.step()
+        self.stepwise_updates = 0
+        self._set_aside: list[tuple[torch.Tensor, torch.Tensor]] = []
         self._was_spilled = False  # at the last state_dict() call
         self._handles = [
             optimizer.register_step_pre_hook(self._before_step),
+            optimizer.register_step_post_hook(self._after_own_step),
             optimizer.register_state_dict_pre_hook(self._before_state_dict),
             optimizer.register_state_dict_post_hook(self._after_state_dict),
         ]
@@ -444,8 +462,49 @@ class StateStore:
     # -- the optimizer's hooks -----------------------------------------------------------------
 
     def _before_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        # torch's wrapper gives the hook its call's arguments, the optimizer first
+        closure = args[1] if len(args) > 1 else kwargs.get("closure")
+        if self.stepwise and self.enabled and not (self.stepping or self._busy) and closure is None:
+            self._step_each()
+            return
         if self._spilled:
             self.fetch()
+
+    def _step_each(self) -> None:
+        """NOTE [a kept-gradient step one parameter at a time]."""
+        opt = self.optimizer
+        try:
+            for group in list(opt.param_groups):
+                for p in list(group["params"]):
+                    if p.grad is None:
+                        continue
+
+                    def step_one(q: torch.Tensor, group: dict[str, Any] = group) -> None:
+                        with narrowed(opt, q, group):
+                            type(opt).step(opt)
+
+                    self.stepping = True
+                    try:
+                        if not self.update_in_rows(p, step_one):
+                            step_one(p)
+                            self._spill_or_warn({p: opt.state.get(p, {})})
+                    finally:
+                        self.stepping = False
+                    self._set_aside.append((p, p.grad))
+                    p.grad = None
+                    self.stepwise_updates += 1
+        except BaseException:
+            self._restore_gradients()
+            raise
+
+    def _after_own_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        if not self.stepping:
+            self._restore_gradients()
+
+    def _restore_gradients(self) -> None:
+        while self._set_aside:
+            p, grad = self._set_aside.pop()
+            p.grad = grad
 
     def after_step(self) -> None:
         """Write out the state just updated (called after the optimizer's step, or after one

@@ -79,3 +79,32 @@ def test_trainer_loss_runs_in_place_and_trains_like_plain(tmp_path: Any) -> None
     plain = train(tmp_path / "plain", [], 1.0, vocab=BIG_VOCAB)
     assert differing(fitted, plain) == []
     assert callback.fit is not None and callback.fit.loss_routed == 5
+
+
+@pytest.mark.filterwarnings(
+    "ignore:.*(the measuring step|first step):tensorscope.errors.FitWarning"
+)
+def test_trainer_steps_one_parameter_at_a_time_when_only_that_fits(tmp_path: Any) -> None:
+    # the Trainer clips, so gradients are kept; below what the whole state needs at the
+    # optimizer step, the step runs one parameter at a time (fit/statestore.py)
+    from tensorscope.integrations.transformers import FitCallback
+
+    probe = FitCallback(budget="1GiB")
+    train(tmp_path / "probe", [probe], 1.0, vocab=BIG_VOCAB)
+    assert probe.fit is not None and probe.fit.decision is not None
+    least = {
+        c.base.state_offloaded: c.least_budget
+        for c in probe.fit.decision.candidates
+        if not c.base.free_gradients
+    }
+    assert least[True] < least[False]
+    budget = (least[True] + least[False]) // 2
+    callback = FitCallback(budget=budget)
+    fitted = train(tmp_path / "fit", [callback], 1.0, vocab=BIG_VOCAB)
+    plain = train(tmp_path / "plain", [], 1.0, vocab=BIG_VOCAB)
+    assert differing(fitted, plain) == []
+    fit = callback.fit
+    assert fit is not None and fit.decision is not None
+    assert fit.decision.chosen.base.state_offloaded and not fit.decision.free_gradients
+    assert fit._states is not None and fit._states.stepwise_updates > 0
+    assert fit.plan_after is not None and fit.plan_after.peak_bytes <= budget
