@@ -32,9 +32,12 @@ then ``--steps`` timed steps: the median seconds per step and its ratio to plain
 RSS``: the process's resident memory sampled every 2 ms (psutil) during the timed steps, above
 its RSS before the model was built; ``tensors``: a recorded step's tensor peak (ts.record; for
 ts.fit, ``fit.plan_after``); the losses of every step, compared with plain's bit for bit.
+``--clip``: every variant clips the gradient norm before its optimizer step, as HF's Trainer
+does by default (gradients must then all exist at once: no optimizer-in-backward).
 
     python benchmarks/fit_training.py --quick
     python benchmarks/fit_training.py --model llama --steps 1
+    python benchmarks/fit_training.py --steps 1 --clip --variants plain,hf1,ts60,ts40 --explain
 """
 
 from __future__ import annotations
@@ -164,6 +167,8 @@ def _worker(cfg: dict[str, Any]) -> dict[str, Any]:
         with hooks:
             loss = run(ids, labels=ids).loss
         loss.backward()
+        if cfg.get("clip"):
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         opt.zero_grad()
         losses.append(float(loss.item()))
@@ -290,6 +295,12 @@ def main() -> int:
     parser.add_argument("--png", default="", help="a directory for ts.fit's before/after plans")
     parser.add_argument("--pareto", default="", help="a PNG of tensor peak vs step time")
     parser.add_argument(
+        "--clip",
+        action="store_true",
+        help="clip_grad_norm_(1.0) before each optimizer step (HF Trainer's default): gradients "
+        "must all exist at once",
+    )
+    parser.add_argument(
         "--rounds",
         type=int,
         default=1,
@@ -299,13 +310,19 @@ def main() -> int:
     if args.worker:
         return common.worker_main(_worker, args.worker)
     variants = common.parse_variants(args.variants, VARIANTS)
+    if args.clip and "hf1ob" in variants:
+        parser.error("hf1ob updates inside backward: nothing can clip there (drop it or --clip)")
     base = {
         "shape": _config(args.quick, args.model),
         "warmup": max(4, args.warmup),
         "steps": args.steps,
         "png_dir": args.png,
+        "clip": args.clip,
     }
-    print(f"shape {base['shape']}, warmup {base['warmup']}, steps {base['steps']}")
+    print(
+        f"shape {base['shape']}, warmup {base['warmup']}, steps {base['steps']}"
+        + (", clip_grad_norm_(1.0) every step" if args.clip else "")
+    )
     results: dict[str, dict[str, Any]] = {}
     spill = tempfile.TemporaryDirectory(prefix="fit-bench-")
     base["tmp"] = spill.name
