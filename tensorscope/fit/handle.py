@@ -650,5 +650,5 @@ def _warn_if_the_first_step_cannot_fit(optimizer: torch.optim.Optimizer, budget:
         f"budget once (on a GPU it may run out of memory); the steps after it run under the "
         f"budget when a plan fits it.",
         FitWarning,
-        stacklevel=3,
+        stacklevel=4,  # the caller of ts.fit()
     )
