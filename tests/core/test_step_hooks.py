@@ -18,6 +18,7 @@ def _sgd() -> torch.optim.Optimizer:
 
 def test_hooks_run_by_rank_then_in_the_order_added() -> None:
     seen: list[str] = []
+    before = _step_hooks.active()
 
     def note(name: str) -> Any:
         return lambda optimizer, args, kwargs: seen.append(name)
@@ -34,12 +35,13 @@ def test_hooks_run_by_rank_then_in_the_order_added() -> None:
         for handle in handles:
             handle.remove()
     assert seen == ["before", "recorder", "recorder 2", "fit"]
-    assert _step_hooks.active() == 0
+    assert _step_hooks.active() == before
 
 
 def test_a_hook_added_or_removed_inside_a_step_waits_for_the_next_step() -> None:
     seen: list[str] = []
     handles: list[_step_hooks.StepHookHandle] = []
+    before = _step_hooks.active()
 
     def first(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         seen.append("first")
@@ -56,4 +58,4 @@ def test_a_hook_added_or_removed_inside_a_step_waits_for_the_next_step() -> None
         handle.remove()
         handle.remove()  # idempotent
     assert seen == ["first", "second", "added"]
-    assert _step_hooks.active() == 0
+    assert _step_hooks.active() == before

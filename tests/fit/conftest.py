@@ -17,7 +17,9 @@ from tensorscope import _step_hooks
 def _one_thread() -> Iterator[None]:
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
+    gc.collect()
+    before = _step_hooks.active()
     yield
     torch.set_num_threads(threads)
     gc.collect()  # a fit dropped without remove() takes its hooks with it
-    assert _step_hooks.active() == 0, "a test left a step hook of ours added"
+    assert _step_hooks.active() <= before, "a test left a step hook of ours added"
