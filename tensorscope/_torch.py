@@ -21,6 +21,7 @@ __all__ = [
     "cuda_stream",
     "current_autograd_node",
     "graph_task_id",
+    "is_parameter_like",
     "jit_optimize",
     "mode_on_top",
     "new_storage",
@@ -251,3 +252,17 @@ def cuda_event() -> torch.cuda.Event:
     """A new CUDA event (recorded after a copy; waited on before its data is used)."""
     event: torch.cuda.Event = torch.cuda.Event()  # type: ignore[no-untyped-call]
     return event
+
+
+def is_parameter_like(tensor: torch.Tensor) -> bool:
+    """A parameter (any leaf that requires grad), a view of one, or a cast of one."""
+    if tensor.is_leaf:
+        return tensor.requires_grad
+    base = tensor._base
+    if base is not None and base.is_leaf and base.requires_grad:
+        return True
+    node = tensor.grad_fn
+    if node is not None and type(node).__name__ == "ToCopyBackward0":
+        following = node.next_functions
+        return bool(following) and type(following[0][0]).__name__ == "AccumulateGrad"
+    return False

@@ -18,8 +18,10 @@ from dataclasses import dataclass
 
 import torch
 
+from tensorscope._torch import is_parameter_like
 from tensorscope.checkpoint.calls import storage_key
 from tensorscope.checkpoint.chain import Op
+from tensorscope.checkpoint.offloaded import OFFLOAD_MIN_BYTES
 from tensorscope.checkpoint.profile import LayerProfile, Meter, Profile
 
 __all__ = ["BlockProbe", "alike_medians", "every_block_ops", "retimed"]
@@ -122,6 +124,8 @@ class _Block:
     keeps_output: bool = True
     fw_s: float = 0.0
     bw_s: float = 0.0
+    offload_nbytes: int = 0
+    offload_tensors: int = 0
 
 
 def _rng_state(device: torch.device) -> list[torch.Tensor]:
@@ -160,6 +164,7 @@ class BlockProbe:
         block's output is still held."""
         rec = self.blocks[k]
         saved: set[int] = set()
+        movable: dict[int, int] = {}  # NOTE [offload in rotor's model]: key -> bytes
         live = [0, 0]  # bytes left allocated, output storage key
 
         def seen(hidden: torch.Tensor) -> None:
@@ -167,7 +172,11 @@ class BlockProbe:
             live[1] = storage_key(hidden)
 
         def pack(t: torch.Tensor) -> torch.Tensor:
-            saved.add(storage_key(t))
+            key = storage_key(t)
+            saved.add(key)
+            nbytes = int(t.untyped_storage().nbytes())
+            if nbytes >= OFFLOAD_MIN_BYTES and not is_parameter_like(t):
+                movable[key] = nbytes
             return t
 
         hooks = (
@@ -178,15 +187,23 @@ class BlockProbe:
         rng_before = _rng_state(self.device) if kind != "Fe" else []
         with self.meter.tracking():
             base = self.meter.mark()
+            serial = self.meter.serial()
             start = self._now()
             with hooks:
                 yield seen
             elapsed = self._now() - start
             tmp = max(0, self.meter.peak() - base - live[0])
+            made = [  # the output stays: the next block's input
+                n
+                for key, n in movable.items()
+                if key != live[1] and self.meter.made_since(serial, key)
+            ]
         if kind == "Fe":
             rec.xbar_nbytes = max(live[0], rec.x_nbytes)
             rec.keeps_output = live[1] in saved
             rec.fw_s = elapsed
+            rec.offload_nbytes = min(sum(made), max(0, rec.xbar_nbytes - rec.x_nbytes))
+            rec.offload_tensors = len(made)
         else:
             rec.x_nbytes = live[0]
             rec.uses_rng = not all(map(torch.equal, rng_before, _rng_state(self.device)))
@@ -225,6 +242,8 @@ class BlockProbe:
                 b.bw_tmp_nbytes,
                 b.uses_rng,
                 b.keeps_output,
+                b.offload_nbytes,
+                b.offload_tensors,
             )
             for name, b in zip(names, self.blocks, strict=True)
         )

@@ -10,7 +10,7 @@ from __future__ import annotations
 import contextlib
 import time
 import weakref
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Callable, Collection, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -53,6 +53,16 @@ _PREFIX = "tensorscope.checkpoint:"
 # track_running_stats cleared, and re-enter the forward's autocast state.
 
 
+# NOTE [offloaded blocks]
+# A block in plan.offload is one the schedule keeps (runs once, as Fe in the forward): its Fe
+# runs inside the offloader's group k, so what autograd saves goes to the next tier as it is
+# written (checkpoint/offloaded.py, NOTE [offload in rotor's model]) -- but not its input x_k
+# (the run holds it until B(k) anyway: writing it would free nothing and read a second copy
+# back), the block's context tensors, parameters or buffers. When autograd reaches Function k,
+# groups k and k-1 are read back on the offloader's reader thread: k-1's read overlaps B(k).
+# Recomputations in the backward are not offloaded (what they save is used at once).
+
+
 class Probe(Protocol):
     """What measures a run (``blockprobe.BlockProbe``): a window around every op."""
 
@@ -63,8 +73,22 @@ class Probe(Protocol):
         """Window around ``B(k)``; yields ``seen(input_grad, param_grads)``."""
 
 
+class Offloader(Protocol):
+    """Where offloaded blocks' saved tensors go (``fit.offload.ActivationOffloader``)."""
+
+    def group(
+        self, group: int, context: Iterable[torch.Tensor] = ()
+    ) -> contextlib.AbstractContextManager[Any]:
+        """Saved tensors inside belong to ``group``; ``context`` tensors are never moved."""
+
+    def prefetch(self, group: int) -> None:
+        """Start reading ``group``'s saved tensors back."""
+
+
 class BlockPlan:
-    """What does not change between steps: the blocks, the schedule, who is recomputed."""
+    """What does not change between steps: the blocks, the schedule, who is recomputed, whose
+    saved tensors are offloaded (``offload``: blocks the schedule keeps; NOTE [offloaded
+    blocks])."""
 
     def __init__(
         self,
@@ -72,6 +96,7 @@ class BlockPlan:
         forwards: Sequence[Callable[..., Any]],
         ops: Sequence[Op],
         rng_blocks: Collection[int],
+        offload: Collection[int] = (),
     ) -> None:
         self.blocks = list(blocks)
         self.forwards = list(forwards)
@@ -89,6 +114,7 @@ class BlockPlan:
             if op[0] in FORWARD_KINDS:
                 runs[op[1]] += 1  # type: ignore[misc]
         self.rerun = {k for k, r in enumerate(runs) if r > 1}
+        self.offload = frozenset(offload) - self.rerun
         self.replay_rng = self.rerun.intersection(rng_blocks)
         self.batchnorms = [
             [m for m in b.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
@@ -114,10 +140,12 @@ class BlockRun:
         probe: Probe | None = None,
         *,
         on_done: Callable[[BlockRun], None] | None = None,
+        offloader: Offloader | None = None,
     ) -> None:
         self.plan = plan
         self.probe = probe
         self.on_done = on_done
+        self.offloader = offloader if plan.offload else None
         self.synchronize = False  # CUDA: synchronize around timed ops (the retiming step)
         self.input_nbytes = 0
         self.fe_s: dict[int, float] = {}  # seconds of each block's Fe, and of its B
@@ -169,8 +197,19 @@ class BlockRun:
             return contextlib.nullcontext(_ignore)
         return self.probe.forward(kind, k)
 
-    def forward_op(self, kind: str, k: int) -> BlockOutput:
-        """Run block ``k`` as op ``kind`` (``Fn``, ``Fck`` or ``Fe``); return what it returned."""
+    def _offloading(self, k: int, inp: torch.Tensor) -> contextlib.AbstractContextManager[Any]:
+        """NOTE [offloaded blocks]: block ``k``'s saved tensors go to the offloader's group
+        ``k``, except its input (the run holds it until B(k)), context and parameters."""
+        offloader = self.offloader
+        if offloader is None or k not in self.plan.offload:
+            return contextlib.nullcontext()
+        block = self.plan.blocks[k]
+        context = [inp, *self.calls[k].tensors(), *block.parameters(), *block.buffers()]
+        return offloader.group(k, context)
+
+    def forward_op(self, kind: str, k: int, *, in_forward: bool = False) -> BlockOutput:
+        """Run block ``k`` as op ``kind`` (``Fn``, ``Fck`` or ``Fe``); return what it returned.
+        ``in_forward``: the model's forward (not a recomputation in the backward)."""
         src, call, fn = self._input(k), self.calls[k], self.plan.forwards[k]
         with self._rerun_guard(k), self._window(kind, k) as seen:
             if kind == "Fe":
@@ -178,8 +217,9 @@ class BlockRun:
                 inp.requires_grad_(k > 0 or self.x_requires_grad)
                 ctx = [t.detach().requires_grad_(True) for t in call.grad_tensors]
                 args, kwargs = call.build(inp, ctx)
+                offloading = self._offloading(k, src) if in_forward else contextlib.nullcontext()
                 start = self._now()
-                with torch.enable_grad():
+                with torch.enable_grad(), offloading:
                     out = split_output(k, self.plan.names[k], fn(*args, **kwargs))
                 self.fe_s[k] = self._now() - start
                 seen(out.hidden)
@@ -206,7 +246,7 @@ class BlockRun:
             self.x_requires_grad = x.requires_grad
             self.device = x.device
             self.autocast = _autocast_state(x.device.type)
-        out = self.forward_op(self.plan.first[k], k)
+        out = self.forward_op(self.plan.first[k], k, in_forward=True)
         self.structure[k] = out.template()
         self.next_block = k + 1
         if k + 1 == self.n:
@@ -222,6 +262,10 @@ class BlockRun:
         Returns the gradients w.r.t. ``x_k``, the context tensors that require grad, and block
         ``k``'s parameters.
         """
+        if self.offloader is not None:  # NOTE [offloaded blocks]: this block's, the next one's
+            for group in (k, k - 1):
+                if group in self.plan.offload:
+                    self.offloader.prefetch(group)
         ops = self.plan.backward_ops
         while self.cursor < len(ops) and ops[self.cursor] != ("B", k):
             op = ops[self.cursor]

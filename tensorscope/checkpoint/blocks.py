@@ -19,12 +19,13 @@ from typing_extensions import Self
 
 from tensorscope._units import format_bytes, parse_bytes
 from tensorscope.checkpoint.blockprobe import BlockProbe, every_block_ops, retimed
-from tensorscope.checkpoint.blockrun import BlockFunction, BlockPlan, BlockRun
+from tensorscope.checkpoint.blockrun import BlockFunction, BlockPlan, BlockRun, Offloader
 from tensorscope.checkpoint.calls import drop_caches, split_call, storage_key
-from tensorscope.checkpoint.chain import Chain, Schedule
+from tensorscope.checkpoint.chain import FORWARD_KINDS, Chain, Schedule
 from tensorscope.checkpoint.explain import explain
 from tensorscope.checkpoint.find import find_chain
 from tensorscope.checkpoint.module import RNG_STATE_NBYTES
+from tensorscope.checkpoint.offloaded import OffloadModel, offload_window, offloaded_chain
 from tensorscope.checkpoint.profile import Profile
 from tensorscope.checkpoint.solver import min_memory, solve, store_all_memory
 from tensorscope.errors import ArgumentTypeError, InvalidArgumentError, ScheduleError
@@ -104,6 +105,9 @@ class CheckpointedChain:
         self._retimed = False
         self._measured: tuple[torch.device, torch.dtype, int, tuple[int, ...]] | None = None
         self._context: dict[int, int] = {}
+        self.offloader: Offloader | None = None
+        self.offload_model: OffloadModel | None = None
+        self.offloaded: tuple[int, ...] = ()
         self._saved: list[tuple[nn.Module, object]] = []
         self._forwards: list[Callable[..., Any]] = []
         for k, block in enumerate(self.blocks):
@@ -221,8 +225,8 @@ class CheckpointedChain:
         fits = m is not None and (x.device, x.dtype) == m[:2] and x.nbytes <= m[2]
         if self._plan is not None and fits:
             if self._retimed:
-                return BlockRun(self._plan)
-            run = BlockRun(self._plan, on_done=self._retime)
+                return BlockRun(self._plan, offloader=self.offloader)
+            run = BlockRun(self._plan, on_done=self._retime, offloader=self.offloader)
             run.synchronize = True
             return run
         n = len(self.blocks)
@@ -266,6 +270,17 @@ class CheckpointedChain:
 
     # -- solving -----------------------------------------------------------------------------
 
+    def set_offload(
+        self, offloader: Offloader | None, model: OffloadModel | None, blocks: Sequence[int]
+    ) -> None:
+        """Offload the saved tensors of ``blocks`` (kept by the schedule) through ``offloader``
+        from the next solve on (``compute_sequence``); ``model`` says what each block moves
+        (checkpoint/offloaded.py). No blocks (or no offloader): nothing is offloaded."""
+        if offloader is None or model is None or not blocks:
+            self.offloader, self.offload_model, self.offloaded = None, None, ()
+        else:
+            self.offloader, self.offload_model, self.offloaded = offloader, model, tuple(blocks)
+
     def chain(self) -> Chain:
         """The measured chain (bytes, seconds); ``loss_tmp`` is ``loss_tmp_nbytes``.
 
@@ -307,22 +322,33 @@ class CheckpointedChain:
         reserve = self.context_nbytes + (RNG_STATE_NBYTES * len(rng_blocks) if keep_rng else 0)
         self.reserved_nbytes = reserve
         limit = self.mem_limit
-        top = store_all_memory(chain)
-        if limit is None or limit - reserve >= top:
-            schedule = solve(chain, top)
-        else:
-            least = min_memory(chain) + reserve
-            if limit < least:
-                self._error = self._too_small(limit, least, top + reserve)
-                raise self._error
-            schedule = solve(chain, limit - reserve, slots=self.slots)
+        while True:  # an offloaded block the DP recomputes is not offloaded: solve again
+            schedule = self._schedule(chain, reserve, limit)
+            kept = [k for k in self.offloaded if _runs(schedule, k) == 1]
+            if len(kept) == len(self.offloaded):
+                break
+            self.offloaded = tuple(kept)
         self._plan = BlockPlan(
             self.blocks,
             self._forwards,
             schedule.ops,
             rng_blocks if self.preserve_rng_state else (),
+            self.offloaded,
         )
         self.schedule, self.solved_limit = schedule, limit
+
+    def _schedule(self, chain: Chain, reserve: int, limit: int | None) -> Schedule:
+        if self.offload_model is not None and self.offloaded:  # NOTE [offload in rotor's model]
+            chain = offloaded_chain(chain, self.offload_model, self.offloaded)
+            reserve += offload_window(self.offload_model, self.offloaded)
+        top = store_all_memory(chain)
+        if limit is None or limit - reserve >= top:
+            return solve(chain, top)
+        least = min_memory(chain) + reserve
+        if limit < least:
+            self._error = self._too_small(limit, least, top + reserve)
+            raise self._error
+        return solve(chain, limit - reserve, slots=self.slots)
 
     def _too_small(self, limit: int, least: int, top: int) -> ScheduleError:
         shape = self._measured[3] if self._measured is not None else ()
@@ -378,6 +404,10 @@ class _Dispatch:
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         return self.owner._call(self.k, args, kwargs)
+
+
+def _runs(schedule: Schedule, k: int) -> int:
+    return sum(1 for op in schedule.ops if op[0] in FORWARD_KINDS and op[1] == k)  # type: ignore[misc]
 
 
 def _params(block: nn.Module) -> list[torch.Tensor]:

@@ -71,6 +71,8 @@ class LayerProfile:
     bw_tmp_nbytes: int
     uses_rng: bool = False
     keeps_output: bool = True
+    offload_nbytes: int = 0
+    offload_tensors: int = 0
 
 
 @dataclass(frozen=True)
@@ -182,6 +184,18 @@ class Meter:
             torch.cuda.synchronize(self.device)
             return int(torch.cuda.memory_allocated(self.device))
         return self.tracker.live_nbytes
+
+    def serial(self) -> int:
+        """A mark for :meth:`made_since` (0 on CUDA, where storages are not counted)."""
+        return self.tracker.serial if self.tracker is not None else 0
+
+    def made_since(self, serial: int, key: int) -> bool:
+        """Whether the live storage ``key`` was made after the mark ``serial`` (on CUDA:
+        unknown, so True)."""
+        if self.tracker is None:
+            return True
+        made = self.tracker.serial_of(key)
+        return made is not None and made > serial
 
     def peak(self, exclude: Sequence[torch.Tensor] = ()) -> int:
         if self.tracker is None:

@@ -112,6 +112,16 @@ class StorageTracker(TorchDispatchMode):
         self.live_nbytes += delta
         self.peak_nbytes = max(self.peak_nbytes, self.live_nbytes)
 
+    @property
+    def serial(self) -> int:
+        """The serial number of the latest storage counted (0: none yet)."""
+        return self._serial
+
+    def serial_of(self, key: int) -> int | None:
+        """The serial number of the live storage whose key is ``key`` (None: not counted)."""
+        entry = self._alive.get(key)
+        return entry[0] if entry is not None else None
+
     def reset_peak(self) -> None:
         """Start a new window: ``peak_nbytes`` restarts from the current live bytes."""
         self._mark = len(self._log)

@@ -19,7 +19,7 @@ from tensorscope.plan.whatif import Interval, Position, _free_gradients, _Interv
 if TYPE_CHECKING:
     from tensorscope.plan.model import MemoryPlan
 
-__all__ = ["StepBase", "chain_ops", "step_base"]
+__all__ = ["StepBase", "chain_backward_peak", "chain_ops", "step_base"]
 
 # NOTE [the step around the chain]
 # rotor's chain accounts for what the chain allocates: its input, activations, saved tensors,
@@ -128,6 +128,18 @@ def chain_ops(plan: MemoryPlan, paths: Collection[str]) -> tuple[range, range] |
     while stop < len(plan.ops) and plan.ops[stop].phase == "backward" and not plan.ops[stop].block:
         stop += 1
     return forward, range(bw[0], stop)
+
+
+def chain_backward_peak(plan: MemoryPlan, paths: Collection[str]) -> int:
+    """The most bytes the recorded step held while its chain's backward ran (the plan's
+    peak when no op of the chain is found): where offloaded activations are read back."""
+    ranges = chain_ops(plan, paths) if paths else None
+    if ranges is None:
+        return plan.peak_bytes
+    backward = ranges[1]
+    state = _Intervals(plan)
+    intervals = [part for parts in state.parts.values() for part in parts] + list(state.extra)
+    return _peak(intervals, [(backward.start, backward.stop)])
 
 
 def _clip(intervals: list[Interval], first: int, stop: int) -> list[Interval]:

@@ -10,12 +10,19 @@ predicted peak fits the budget. See NOTE [one decision].
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
 from tensorscope._units import format_bytes
 from tensorscope.checkpoint.chain import FORWARD_KINDS, Chain, Schedule
+from tensorscope.checkpoint.offloaded import (
+    OffloadModel,
+    offload_prefixes,
+    offload_window,
+    offloaded_chain,
+    predicted_io_s,
+)
 from tensorscope.checkpoint.solver import min_memory, solve, store_all_memory
 from tensorscope.errors import ScheduleError
 from tensorscope.fit.account import StepBase
@@ -38,8 +45,11 @@ _SUB = "tensorscope.fit"
 # time, so where it is allowed it wins whenever it lets the chain keep more. Nothing fits:
 # ScheduleError naming the smallest budget of any candidate.
 # Offload is a third choice per block ("offload": its saved tensors leave the device after its
-# forward and come back before its backward); the type carries it so that a candidate with an
-# offload model can be added here. This build has none (see explain()).
+# forward and come back before its backward). Given an OffloadModel (what each block's offload
+# moves and costs), each candidate is also solved with a prefix of the chain offloaded
+# (checkpoint/offloaded.py, NOTE [offload in rotor's model]); its predicted time adds the
+# writes and reads, none assumed hidden behind compute. Offload competes with recomputation on
+# predicted time, and lowers the least budget where the saved tensors are the chain's memory.
 
 
 @dataclass(frozen=True)
@@ -52,7 +62,12 @@ class Candidate:
         schedule: rotor's schedule for the chain (None: no chain, or it does not fit).
         chain_limit: bytes given to the chain (its ``mem_limit``; None: no chain).
         predicted_peak: predicted bytes of the step (0 when it does not fit).
-        predicted_s: predicted seconds of the step (chain schedule plus the rest).
+        predicted_s: predicted seconds of the step (chain schedule plus the rest, plus the
+            offload's writes and reads).
+        offloaded: the blocks whose saved tensors go to the next tier after their forward.
+        offload_nbytes: bytes those blocks move out and back each step.
+        offload_reserve: bytes of the chain's limit set aside for the offload (NOTE [offload
+            in rotor's model]); included in ``chain_limit``'s use, not in ``reserve``.
     """
 
     base: StepBase
@@ -61,6 +76,9 @@ class Candidate:
     chain_limit: int | None
     predicted_peak: int
     predicted_s: float
+    offloaded: tuple[int, ...] = ()
+    offload_nbytes: int = 0
+    offload_reserve: int = 0
 
     @property
     def fits(self) -> bool:
@@ -97,8 +115,11 @@ class Decision:
         return min(c.least_budget for c in self.candidates)
 
 
-def block_choices(schedule: Schedule | None, n: int) -> tuple[BlockChoice, ...]:
-    """Per block: ``"recompute"`` when the schedule runs its forward more than once.
+def block_choices(
+    schedule: Schedule | None, n: int, offloaded: Collection[int] = ()
+) -> tuple[BlockChoice, ...]:
+    """Per block: ``"recompute"`` when the schedule runs its forward more than once, else
+    ``"offload"`` for the blocks in ``offloaded``, else ``"keep"``.
 
     Example:
         >>> from tensorscope.checkpoint.chain import Schedule
@@ -114,17 +135,83 @@ def block_choices(schedule: Schedule | None, n: int) -> tuple[BlockChoice, ...]:
         if op[0] in FORWARD_KINDS:
             runs[op[1]] += 1  # type: ignore[misc]
     recompute: BlockChoice = "recompute"
-    return tuple(recompute if r > 1 else keep for r in runs)
+    offload: BlockChoice = "offload"
+    return tuple(
+        recompute if r > 1 else offload if k in offloaded else keep for k, r in enumerate(runs)
+    )
 
 
 def _evaluate(
-    budget: int, base: StepBase, chain: Chain | None, reserve: int, slots: int
+    budget: int,
+    base: StepBase,
+    chain: Chain | None,
+    reserve: int,
+    slots: int,
+    offload: OffloadModel | None = None,
+) -> Candidate:
+    """The best of: no block offloaded, and each offloaded prefix (NOTE [offload in rotor's
+    model]), by predicted time, then peak; the least budget is the least of them all."""
+    plain = _evaluate_with(budget, base, chain, reserve, slots, None, ())
+    if chain is None or offload is None:
+        return plain
+    options = [plain]
+    for j in offload_prefixes(chain.length, offload):
+        options.append(_evaluate_with(budget, base, chain, reserve, slots, offload, range(j)))
+    least = min(o.least_budget for o in options)
+    fitting = [o for o in options if o.fits]
+    best = min(fitting, key=lambda o: (o.predicted_s, o.predicted_peak)) if fitting else plain
+    return dataclasses.replace(best, least_budget=least)
+
+
+def _evaluate_with(
+    budget: int,
+    base: StepBase,
+    chain: Chain | None,
+    reserve: int,
+    slots: int,
+    offload: OffloadModel | None,
+    prefix: Sequence[int],
 ) -> Candidate:
     if chain is None:
         least = max(base.outside, base.under_chain, base.at_loss)
         fits = budget >= least
         return Candidate(base, least, None, None, least if fits else 0, base.seconds)
     chain = dataclasses.replace(chain, loss_tmp=base.loss_tmp)
+    blocks = [k for k in prefix if offload is not None and offload.worth(k)]
+    while True:  # an offloaded block the DP still recomputes is not offloaded: solve again
+        solved = _solve_with(budget, base, chain, reserve, slots, offload, blocks)
+        if solved.schedule is None or offload is None:
+            break
+        choices = block_choices(solved.schedule, chain.length)
+        kept = [k for k in blocks if choices[k] == "keep"]
+        if kept == blocks:
+            break
+        blocks = kept
+    if solved.schedule is None:
+        return solved
+    io_s = predicted_io_s(offload, blocks) if offload is not None else 0.0
+    return dataclasses.replace(
+        solved,
+        predicted_s=solved.predicted_s + io_s,
+        offloaded=tuple(blocks),
+        offload_nbytes=sum(offload.nbytes[k] for k in blocks) if offload else 0,
+    )
+
+
+def _solve_with(
+    budget: int,
+    base: StepBase,
+    chain: Chain,
+    reserve: int,
+    slots: int,
+    offload: OffloadModel | None,
+    blocks: Sequence[int],
+) -> Candidate:
+    extra = 0
+    if offload is not None and blocks:
+        chain = offloaded_chain(chain, offload, blocks)
+        extra = offload_window(offload, blocks)
+    reserve += extra
     least = max(base.outside, base.under_chain + reserve + min_memory(chain))
     top = store_all_memory(chain)
     limit = budget - base.under_chain
@@ -136,7 +223,8 @@ def _evaluate(
     except ScheduleError:  # the discretised DP found nothing at this room
         return Candidate(base, max(least, budget + 1), None, limit, 0, 0.0)
     peak = max(base.outside, base.under_chain + reserve + schedule.peak)
-    return Candidate(base, least, schedule, limit, peak, base.seconds + schedule.time)
+    candidate = Candidate(base, least, schedule, limit, peak, base.seconds + schedule.time)
+    return dataclasses.replace(candidate, offload_reserve=extra)
 
 
 def decide(
@@ -147,6 +235,7 @@ def decide(
     reserve: int = 0,
     slots: int = 500,
     what: str = "the step",
+    offload: OffloadModel | None = None,
 ) -> Decision:
     """The fastest plan whose predicted peak fits ``budget`` (NOTE [one decision]).
 
@@ -157,6 +246,7 @@ def decide(
         reserve: bytes of the chain's limit set aside (context stored once, random states).
         slots: the DP's memory resolution (``budget / slots`` units).
         what: how error messages name the step.
+        offload: what offloading each block moves and costs (None: no block is offloaded).
 
     Raises:
         ScheduleError: no candidate fits; the message names the smallest budget that does.
@@ -169,10 +259,14 @@ def decide(
         >>> d = decide(640, [kept, freed], chain)
         >>> d.free_gradients, d.blocks, d.chosen.predicted_peak <= 640
         (True, ('keep', 'keep', 'recompute', 'recompute'), True)
+        >>> cheap = OffloadModel((30,) * 4, (0.1,) * 4)  # moving a block beats recomputing it
+        >>> moved = decide(640, [kept, freed], chain, offload=cheap)
+        >>> moved.blocks, moved.chosen.predicted_s < d.chosen.predicted_s
+        (('offload', 'offload', 'offload', 'offload'), True)
     """
     if not bases:
         raise ValueError("decide() needs at least one StepBase")
-    candidates = tuple(_evaluate(budget, base, chain, reserve, slots) for base in bases)
+    candidates = tuple(_evaluate(budget, base, chain, reserve, slots, offload) for base in bases)
     fitting = [c for c in candidates if c.fits]
     if not fitting:
         least = min(c.least_budget for c in candidates)
@@ -186,7 +280,8 @@ def decide(
         fitting, key=lambda c: (c.predicted_s, c.predicted_peak, not c.base.free_gradients)
     )
     n = len(chain.fw) if chain is not None else 0
-    return Decision(budget, chosen, candidates, block_choices(chosen.schedule, n), reserve)
+    blocks = block_choices(chosen.schedule, n, chosen.offloaded)
+    return Decision(budget, chosen, candidates, blocks, reserve)
 
 
 def _why(candidates: Sequence[Candidate]) -> str:

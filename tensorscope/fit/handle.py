@@ -25,6 +25,7 @@ from torch import nn
 from tensorscope import _step_hooks
 from tensorscope._units import format_bytes, parse_bytes
 from tensorscope.checkpoint.blocks import CheckpointedChain, checkpoint_chain
+from tensorscope.checkpoint.offloaded import OFFLOAD_MIN_BYTES, OffloadModel
 from tensorscope.errors import (
     ArgumentTypeError,
     FitWarning,
@@ -32,10 +33,11 @@ from tensorscope.errors import (
     PlanError,
     ScheduleError,
 )
-from tensorscope.fit.account import StepBase, step_base
+from tensorscope.fit.account import StepBase, chain_backward_peak, step_base
 from tensorscope.fit.decide import Decision, decide
 from tensorscope.fit.inbackward import InBackward, parameters_of, unknown_optimizer
 from tensorscope.fit.loss import LossMode
+from tensorscope.fit.offload import ActivationOffloader
 from tensorscope.fit.offload_rules import Bandwidth
 from tensorscope.fit.report import Facts, explain
 from tensorscope.fit.rows import ROW_BLOCK_BYTES
@@ -177,6 +179,10 @@ class Fit:
         self._inb: InBackward | None = None
         self._states: StateStore | None = None
         self._bandwidth: Bandwidth | None = None
+        self._offloader: ActivationOffloader | None = None
+        self._offload_tier: str | None = None
+        self._offload_read_ahead = 0
+        self._bw_peak = 0  # the recorded step's peak during the chain's backward
         self._handles: list[Any] = []
         self._grad_hooks: list[Any] = []
         plan_hooks.install()  # NOTE [the step boundary]: before any recording opens in a hook
@@ -249,6 +255,8 @@ class Fit:
             self._batch_nbytes = max(self._batch_nbytes, batch_nbytes)
             self._open("before")
         elif self.plan_after is None and self.steps >= self._after_at:
+            if self._offloader is not None:
+                self._offloader.reset_peak()
             self._open("after")
 
     def _open(self, kind: str) -> None:
@@ -301,6 +309,10 @@ class Fit:
             self._decide_now()
         elif kind == "after" and plan is not None:
             self.plan_after = plan
+            offloading = self._offloader is not None and bool(self.chain and self.chain.offloaded)
+            if offloading and self._offloader is not None:
+                self._offload_read_ahead = self._offloader.stats().peak_read_ahead_bytes
+                self._bw_peak = chain_backward_peak(plan, self._chain_paths(plan))
             self._check(plan)
         elif self._state == "run" and self.plan_after is not None:
             self._times.append(elapsed)
@@ -374,6 +386,37 @@ class Fit:
             self._bandwidth = self._state_store().measure(device)
         return self._bandwidth
 
+    def _offload_model(self) -> OffloadModel | None:
+        """What offloading each block's saved tensors moves (measured in the first step) and
+        costs (the next tier's measured bandwidth); None when no block saves enough to move."""
+        chain = self.chain
+        if chain is None or chain.profile is None or self._managed():
+            return None
+        layers = chain.profile.layers
+        if not any(layer.offload_nbytes for layer in layers):
+            return None
+        bandwidth = self._state_bandwidth()
+        self._offload_tier = bandwidth.tier
+        return OffloadModel(
+            tuple(layer.offload_nbytes for layer in layers),
+            tuple(bandwidth.seconds(p.offload_nbytes, p.offload_tensors) for p in layers),
+        )
+
+    def _activation_offloader(
+        self, model: OffloadModel | None, blocks: tuple[int, ...]
+    ) -> ActivationOffloader | None:
+        """The offloader of the chain's blocks (made once, when a decision first offloads)."""
+        if model is None or not blocks:
+            return None
+        if self._offloader is None:
+            device = next((p.device for p in parameters_of(self.optimizer)), torch.device("cpu"))
+            self._offloader = ActivationOffloader(
+                device,
+                min_bytes=OFFLOAD_MIN_BYTES,
+                max_in_flight_bytes=max(1, model.in_flight_nbytes),
+            )
+        return self._offloader
+
     def _state_store(self) -> StateStore:
         if self._states is None:
             self._states = StateStore(self.optimizer, known=self.optimizer_note is None)
@@ -412,6 +455,7 @@ class Fit:
         chain = self.chain
         measured = chain is not None and chain.profile is not None and self._chain_paths(plan)
         budget = self.budget_bytes - self._slack
+        offload = self._offload_model() if measured else None
         try:
             decision = decide(
                 budget,
@@ -420,9 +464,12 @@ class Fit:
                 reserve=chain.reserved_nbytes if measured and chain else 0,
                 slots=chain.slots if chain is not None else 500,
                 what=f"a training step of {type(self.model).__name__}",
+                offload=offload,
             )
             if measured and chain is not None:
                 chain.loss_tmp_nbytes = decision.chosen.base.loss_tmp
+                blocks = decision.chosen.offloaded
+                chain.set_offload(self._activation_offloader(offload, blocks), offload, blocks)
                 chain.compute_sequence(decision.chosen.chain_limit)
         except ScheduleError as exc:
             self._error, self._state = exc, "failed"
@@ -448,6 +495,7 @@ class Fit:
         if self._inb is not None:
             self._inb.in_rows = self._states.update_in_rows if in_rows and self._states else None
         self._state = "run"
+        self._offload_read_ahead = 0
         self._after_at = self.steps + 1  # step +1 re-times the chain; the next is recorded
         self.plan_after = None
         self._times = []
@@ -456,13 +504,15 @@ class Fit:
         return self.decision.chosen.predicted_peak if self.decision is not None else 0
 
     def _check(self, plan: MemoryPlan) -> None:
-        excess = plan.peak_bytes - self.budget_bytes
+        # the recorder sees a read-back tensor from its use on: the offloader's own count
+        # bounds what it held besides (NOTE [offload in rotor's model] reserves it)
+        excess = self.measured_peak(plan) - self.budget_bytes
         if excess <= 0 or self.plan_before is None:
             return
         self._retries += 1
         again = self._retries <= 2
         warnings.warn(
-            f"{_SUB}: step {self.steps} held {format_bytes(plan.peak_bytes)}, "
+            f"{_SUB}: step {self.steps} held {format_bytes(self.measured_peak(plan))}, "
             f"{format_bytes(excess)} above the budget of {format_bytes(self.budget_bytes)} "
             f"(predicted {format_bytes(self._predicted_peak())})"
             + ("; deciding again with that much less for the chain" if again else ""),
@@ -476,6 +526,14 @@ class Fit:
                 f"decided again with {format_bytes(self._slack)} held back"
             )
             self._apply(self.plan_before, self._inb is not None)
+
+    def measured_peak(self, plan: MemoryPlan) -> int:
+        """``plan``'s peak, or where blocks are offloaded, at least the chain's backward peak
+        plus what the offloader read back ahead of use (the recording sees a read-back tensor
+        from its use on; reads happen only in the chain's backward)."""
+        if not self._offload_read_ahead:
+            return plan.peak_bytes
+        return max(plan.peak_bytes, self._bw_peak + self._offload_read_ahead)
 
     # -- public --------------------------------------------------------------------------------
 
@@ -518,8 +576,20 @@ class Fit:
                 notes=tuple(self.notes),
                 error=str(self._error) if self._error is not None else None,
                 removed=self.removed,
+                offload_tier=self._offload_tier,
+                offload_why_not=self._offload_why_not(),
+                offload_read_ahead=self._offload_read_ahead,
+                measured_peak=self.measured_peak(self.plan_after) if self.plan_after else 0,
             )
         )
+
+    def _offload_why_not(self) -> str:
+        if self._managed():
+            return "the model is under ts.manage"
+        chain = self.chain
+        if chain is None or chain.profile is None:
+            return "no block chain measured"
+        return f"no block saves tensors of {format_bytes(OFFLOAD_MIN_BYTES)} or more of its own"
 
     def _managed(self) -> bool:
         from tensorscope.manage import ManagedParameter
@@ -574,6 +644,8 @@ class Fit:
             self._states.close()
         if self.chain is not None:
             self.chain.remove()
+        if self._offloader is not None:  # graphs still alive keep reading their tensors
+            self._offloader.close()
         while self._handles:
             self._handles.pop().remove()
         self._finalizer()  # the global post-hook and the recorder's hooks, once

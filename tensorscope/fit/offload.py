@@ -176,13 +176,16 @@ class ActivationOffloader:
                 write_errors=engine.write_errors,
                 last_error=engine.last_error,
                 trims=engine.trims,
+                peak_read_ahead_bytes=engine.peak_ahead_bytes,
             )
 
     def reset_peak(self) -> None:
-        """Start ``peak_ram_bytes`` again from the bytes held now."""
+        """Start ``peak_ram_bytes`` (and ``peak_read_ahead_bytes``) again from the bytes held
+        now."""
         engine = self._engine
         with engine.lock:
             engine.peak_ram_bytes = engine.ram_bytes
+            engine.peak_ahead_bytes = engine.ahead_bytes
 
     def measure_bandwidth(self, nbytes: int = 32 << 20, small_bytes: int = 64 << 10) -> Bandwidth:
         """Write ``nbytes`` to the tier and read them back, synchronously, on this thread; and

@@ -173,6 +173,8 @@ class Engine:
         # counters (under ``lock``)
         self.ram_bytes = 0
         self.peak_ram_bytes = 0
+        self.ahead_bytes = 0  # of ram_bytes: read back, not yet unpacked by every handle
+        self.peak_ahead_bytes = 0
         self.bytes_written = 0
         self.write_s = 0.0
         self.bytes_read = 0
@@ -192,9 +194,12 @@ class Engine:
         self._reader.start()
 
     # ------------------------------------------------------------------------- accounting
-    def _ram(self, delta: int) -> None:
+    def _ram(self, delta: int, *, ahead: bool = False) -> None:
         self.ram_bytes += delta
         self.peak_ram_bytes = max(self.peak_ram_bytes, self.ram_bytes)
+        if ahead:
+            self.ahead_bytes += delta
+            self.peak_ahead_bytes = max(self.peak_ahead_bytes, self.ahead_bytes)
 
     # ------------------------------------------------------------------------------- pack
     def new_run(self, group: int) -> GroupRun:
@@ -271,7 +276,7 @@ class Engine:
                     entry.uses += 1
                     if entry.uses >= entry.handles:  # every saved tensor has its bytes now
                         entry.loaded = None
-                        self._ram(-entry.nbytes)
+                        self._ram(-entry.nbytes, ahead=True)
                     return self.store.ready(loaded)
                 event = entry.reading
                 copy = entry.copy
@@ -291,7 +296,7 @@ class Engine:
             if entry.handles > 1 and entry.loaded is None:  # the others unpack it from memory
                 entry.loaded = loaded
                 entry.uses = 1
-                self._ram(entry.nbytes)
+                self._ram(entry.nbytes, ahead=True)
         return self.store.ready(loaded)
 
     # --------------------------------------------------------------------------- prefetch

@@ -15,7 +15,7 @@ import torch
 from torch import nn
 from torch.autograd.graph import saved_tensors_hooks
 
-from tensorscope._torch import no_dispatch, plain_alias
+from tensorscope._torch import is_parameter_like, no_dispatch, plain_alias
 from tensorscope.fit.offload_engine import Engine, GroupRun, Packed
 from tensorscope.fit.offload_rules import Decision, SavedTensorFacts, decide
 from tensorscope.ref import TensorRef
@@ -31,20 +31,6 @@ __all__ = [
 ]
 
 _PLAIN_TYPES = (torch.Tensor, TensorRef, nn.Parameter)
-
-
-def is_parameter_like(tensor: torch.Tensor) -> bool:
-    """A parameter (any leaf that requires grad), a view of one, or a cast of one."""
-    if tensor.is_leaf:
-        return tensor.requires_grad
-    base = tensor._base
-    if base is not None and base.is_leaf and base.requires_grad:
-        return True
-    node = tensor.grad_fn
-    if node is not None and type(node).__name__ == "ToCopyBackward0":
-        following = node.next_functions
-        return bool(following) and type(following[0][0]).__name__ == "AccumulateGrad"
-    return False
 
 
 def hooks_enabled() -> bool:

@@ -149,6 +149,7 @@ class OffloadStats:
     write_errors: int
     last_error: str | None
     trims: int = 0  # times the C heap's free memory was given back (CPU)
+    peak_read_ahead_bytes: int = 0  # of peak_ram_bytes' kind: read back, not yet unpacked
 
     @property
     def write_bandwidth(self) -> float:

@@ -79,7 +79,7 @@ def write_loop(engine: Engine) -> None:
                         del engine.by_storage[key]
                     engine.live_entries -= 1
                     if copy is None or loaded:  # never written (measure_only, a failed
-                        engine._ram(-nbytes)  # write), or read back: its memory was ours
+                        engine._ram(-nbytes, ahead=loaded)  # write), or read back: ours
                 if copy is not None:
                     engine.store.release(copy)
             elif kind == "trim":
@@ -137,7 +137,7 @@ def read_loop(engine: Engine) -> None:
                 with engine.lock:
                     entry.loaded = loaded
                     entry.uses = 0
-                    engine._ram(entry.nbytes)
+                    engine._ram(entry.nbytes, ahead=True)
                     engine.bytes_read += entry.nbytes
                     engine.read_s += seconds
         with engine.lock:

@@ -11,12 +11,7 @@ if TYPE_CHECKING:
     from tensorscope.fit.decide import Decision
     from tensorscope.plan.model import MemoryPlan
 
-__all__ = ["OFFLOAD_NOTE", "Facts", "explain"]
-
-OFFLOAD_NOTE = (
-    "offload: unavailable in ts.fit's plan -- every block is kept or recomputed "
-    "(tensorscope.fit.offload.offload_blocks offloads blocks by hand; not yet a choice here)"
-)
+__all__ = ["Facts", "explain"]
 
 
 @dataclass(frozen=True)
@@ -41,6 +36,10 @@ class Facts:
     notes: tuple[str, ...] = ()
     error: str | None = None
     removed: bool = False
+    offload_tier: str | None = None  # the tier offloaded blocks go to (None: not considered)
+    offload_why_not: str = ""  # why no block is offloaded, when none is
+    offload_read_ahead: int = 0  # the offloader's most bytes read back ahead of use
+    measured_peak: int = 0  # the recorded step's peak, the read-ahead included
 
 
 def _runs(choices: tuple[str, ...]) -> list[str]:
@@ -55,6 +54,27 @@ def _runs(choices: tuple[str, ...]) -> list[str]:
         out.append(f"{name:<13} {choices[k]}")
         k = j + 1
     return out
+
+
+def _offload_line(f: Facts) -> str:
+    d = f.decision
+    chosen = d.chosen if d is not None else None
+    if chosen is not None and chosen.offloaded:
+        first, last = chosen.offloaded[0], chosen.offloaded[-1]
+        which = f"block {first}" if first == last else f"blocks {first}-{last}"
+        return (
+            f"offload: {which}: their saved tensors ({format_bytes(chosen.offload_nbytes)} a "
+            f"step) go to the {f.offload_tier} tier as their forward runs and are read back "
+            f"from the backward of the block after them ({format_bytes(chosen.offload_reserve)} "
+            f"of the chain's limit set aside for that)"
+        )
+    if f.offload_tier is None:
+        return f"offload: not considered ({f.offload_why_not or 'no block chain measured'})"
+    return (
+        "offload: considered for the first third, two thirds or all of the blocks; "
+        "keeping or recomputing them was predicted faster, or offloading did not fit (its "
+        "writes and reads are counted whole, none assumed hidden behind compute)"
+    )
 
 
 def explain(f: Facts) -> str:
@@ -102,7 +122,7 @@ def explain(f: Facts) -> str:
         lines.append(f"    block chain {f.chain_path or '(list)'}: not measured (no backward ran)")
     else:
         lines.append(f"    no block chain ({f.chain_note}): nothing is recomputed")
-    lines.append(f"    {OFFLOAD_NOTE}")
+    lines.append(f"    {_offload_line(f)}")
     if d.free_gradients:
         lines.append(
             f"    gradients: freed at each parameter's update (optimizer-in-backward, "
@@ -146,6 +166,12 @@ def explain(f: Facts) -> str:
     )
     if f.plan_after is not None:
         measured = f"  measured: peak {format_bytes(f.plan_after.peak_bytes)} (a recorded step)"
+        if chosen.offloaded:
+            measured += (
+                f"; with what the offloader read back ahead of use during the chain's backward "
+                f"(at most {format_bytes(f.offload_read_ahead)}, seen by the recording only "
+                f"from its use): at most {format_bytes(f.measured_peak)}"
+            )
         if f.measured_step_s is not None:
             measured += (
                 f", step {f.measured_step_s:.3f} s (median of {f.timed_steps} unrecorded steps)"

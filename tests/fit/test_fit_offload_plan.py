@@ -1,0 +1,238 @@
+"""Activation offload as one of ts.fit's choices: the decision on plain data, then a real step.
+
+The decision (fit/decide.py with checkpoint/offloaded.py) on numbers; the runtime (a chain
+block's saved tensors through the offloader) on a real MLP whose blocks save megabytes, with
+the choice forced where the test is about what runs rather than what is chosen.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch import nn
+
+import tensorscope as ts
+from tensorscope.checkpoint import Chain
+from tensorscope.checkpoint.offloaded import (
+    OffloadModel,
+    offload_window,
+    offloaded_chain,
+)
+from tensorscope.checkpoint.simulate import simulate
+from tensorscope.fit import handle
+from tensorscope.fit.account import StepBase
+from tensorscope.fit.decide import decide
+
+from .fit_helpers import MLPChain, differing, twin
+
+CHAIN = Chain([1.0] * 6, [2.0] * 6, [10] * 7, [0] + [50] * 6, [5] * 6, [8] * 6)
+FREED = StepBase(True, 380, 580, 420, 300, 30, 100, 1.0)
+
+
+def _recompute_budget() -> int:
+    """A budget at which, without offload, rotor recomputes some blocks."""
+    return FREED.under_chain + 380
+
+
+def test_offload_cheaper_than_recompute_is_chosen_and_fits() -> None:
+    budget = _recompute_budget()
+    without = decide(budget, [FREED], CHAIN)
+    assert "recompute" in without.blocks
+    cheap = OffloadModel((40,) * 6, (0.05,) * 6)
+    moved = decide(budget, [FREED], CHAIN, offload=cheap)
+    assert "offload" in moved.blocks and "recompute" not in moved.blocks
+    assert moved.chosen.predicted_s < without.chosen.predicted_s
+    assert moved.chosen.predicted_peak <= budget
+    offloaded = moved.chosen.offloaded
+    assert list(offloaded) == [k for k, c in enumerate(moved.blocks) if c == "offload"]
+    # the schedule fits the chain as offload leaves it, with the window set aside
+    chain = offloaded_chain(
+        Chain(*_fields(CHAIN), FREED.loss_tmp, keeps_output=CHAIN.keeps_output), cheap, offloaded
+    )
+    schedule = moved.chosen.schedule
+    assert schedule is not None
+    peak = simulate(chain, schedule.ops).peak
+    assert FREED.under_chain + peak + offload_window(cheap, offloaded) <= budget
+    assert moved.chosen.offload_nbytes == 40 * len(offloaded)
+
+
+def _fields(chain: Chain) -> tuple[object, ...]:
+    return (chain.fw, chain.bw, chain.x_sizes, chain.xbar_sizes, chain.fw_tmp, chain.bw_tmp)
+
+
+def test_offload_slower_than_recompute_is_not_chosen() -> None:
+    budget = _recompute_budget()
+    without = decide(budget, [FREED], CHAIN)
+    slow = OffloadModel((40,) * 6, (5.0,) * 6)  # moving a block takes 5x its forward
+    d = decide(budget, [FREED], CHAIN, offload=slow)
+    assert d.blocks == without.blocks and d.chosen.offloaded == ()
+    assert d.chosen.predicted_s == without.chosen.predicted_s
+
+
+def test_window_counts_a_block_and_the_one_before_it() -> None:
+    model = OffloadModel((30, 40, 5, 0), (0.0,) * 4)
+    assert offload_window(model, []) == 0
+    assert offload_window(model, [0, 1, 2]) == 70
+    assert offload_window(model, [2]) == 40  # the in-flight bound: the largest block
+    shrunk = offloaded_chain(CHAIN, OffloadModel((45,) * 6, (0.0,) * 6), [1])
+    assert shrunk.xbar_sizes[2] == 10 and shrunk.xbar_sizes[1] == 50  # never below x
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    st.lists(st.integers(1, 60), min_size=2, max_size=7),
+    st.lists(st.integers(0, 60), min_size=7, max_size=7),
+    st.floats(0.0, 3.0),
+    st.integers(0, 400),
+)
+def test_offload_never_predicts_worse_and_offloaded_blocks_run_once(
+    saved: list[int], movable: list[int], io_s: float, extra: int
+) -> None:
+    n = len(saved)
+    chain = Chain(
+        [1.0] * n, [2.0] * n, [10] * (n + 1), [0] + [10 + s for s in saved], [3] * n, [4] * n
+    )
+    moved = tuple(min(m, s) for m, s in zip(movable[:n], saved, strict=True))
+    model = OffloadModel(moved, (io_s,) * n)
+    budget = FREED.under_chain + 60 + extra
+    try:
+        without = decide(budget, [FREED], chain, slots=10_000)
+    except ts.ScheduleError:
+        return
+    d = decide(budget, [FREED], chain, slots=10_000, offload=model)
+    assert d.chosen.predicted_s <= without.chosen.predicted_s + 1e-9
+    assert d.chosen.predicted_peak <= budget
+    assert d.least_budget <= without.least_budget
+    schedule = d.chosen.schedule
+    assert schedule is not None
+    for k in d.chosen.offloaded:
+        assert sum(1 for op in schedule.ops if op[0] != "B" and op[1:] == (k,)) == 1
+
+
+# -- a real step ----------------------------------------------------------------------------
+
+WIDTH, ROWS = 128, 2048  # each block saves 9 MiB of its own (two 4 MiB activations, a mask)
+
+
+def _data() -> Iterator[torch.Tensor]:
+    g = torch.Generator().manual_seed(1)
+    while True:
+        yield torch.randn(ROWS, 16, generator=g)
+
+
+def _step(model: nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor, seed: int) -> None:
+    torch.manual_seed(seed)
+    model(x).square().mean().backward()
+    opt.step()
+    opt.zero_grad()
+
+
+def _plain_peak() -> int:
+    torch.manual_seed(0)
+    model = MLPChain(WIDTH, 6).train()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    data = _data()
+    _step(model, opt, next(data), 0)
+    with ts.record() as rec:
+        _step(model, opt, next(data), 1)
+    return rec.plan().peak_bytes
+
+
+@pytest.fixture
+def forced(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Offload predicted free: the decision offloads wherever it fits (what runs is tested)."""
+    measured = handle.Fit._offload_model
+
+    def free(self: handle.Fit) -> OffloadModel | None:
+        model = measured(self)
+        return None if model is None else OffloadModel(model.nbytes, (0.0,) * len(model.nbytes))
+
+    monkeypatch.setattr(handle.Fit, "_offload_model", free)
+
+
+@pytest.mark.usefixtures("forced")
+@pytest.mark.parametrize("scoped", [False, True])
+def test_offloaded_blocks_train_bit_identically_within_the_budget(scoped: bool) -> None:
+    budget = int(_plain_peak() * 0.6)
+    torch.manual_seed(0)
+    model = MLPChain(WIDTH, 6).train()
+    plain = twin(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    plain_opt = torch.optim.AdamW(plain.parameters(), lr=1e-3)
+    fit = ts.fit(model, opt, budget=budget)
+    try:
+        data = _data()
+        for i in range(5):
+            x = next(data)
+            with ts.scope() if scoped else _nothing():
+                _step(model, opt, x, i)
+            _step(plain, plain_opt, x, i)
+            assert differing(model, plain) == [], f"step {i + 1}"
+        decision = fit.decision
+        assert decision is not None and "offload" in decision.blocks
+        offloader = fit._offloader
+        assert offloader is not None
+        stats = offloader.stats()
+        chain = fit.chain
+        assert chain is not None and chain.profile is not None
+        for k in decision.chosen.offloaded:  # the probe measured what the offloader moves
+            assert stats.groups[k].offloaded_bytes == chain.profile.layers[k].offload_nbytes > 0
+        assert stats.bytes_written > 0 and stats.bytes_read > 0 and stats.write_errors == 0
+        assert fit.plan_after is not None
+        assert fit.measured_peak(fit.plan_after) <= budget
+        text = fit.explain()
+        assert f"offload: blocks 0-{decision.chosen.offloaded[-1]}" in text
+    finally:
+        fit.remove()
+    assert offloader.closed
+
+
+class _nothing:
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+
+def test_measured_bandwidth_decides_and_explain_says_so() -> None:
+    """Unforced: whichever way the measured times go, the plan fits and explain() says what
+    was decided about offload."""
+    budget = int(_plain_peak() * 0.6)
+    torch.manual_seed(0)
+    model = MLPChain(WIDTH, 6).train()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    fit = ts.fit(model, opt, budget=budget)
+    try:
+        data = _data()
+        for i in range(4):
+            _step(model, opt, next(data), i)
+        decision = fit.decision
+        assert decision is not None and fit.plan_after is not None
+        assert fit.measured_peak(fit.plan_after) <= budget
+        text = fit.explain()
+        if decision.chosen.offloaded:
+            assert "offload: block" in text
+        else:
+            assert "offload: considered" in text
+    finally:
+        fit.remove()
+
+
+def test_tiny_blocks_are_not_considered_for_offload() -> None:
+    torch.manual_seed(0)
+    model = MLPChain(16, 3).train()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    fit = ts.fit(model, opt, budget="64MiB")
+    try:
+        data = _data()
+        for i in range(3):
+            _step(model, opt, next(data)[:64], i)
+        assert "offload: not considered (no block saves tensors of 256.0 KiB" in fit.explain()
+        assert fit._offloader is None
+    finally:
+        fit.remove()
