@@ -25,6 +25,11 @@ Variants, each in a fresh process (this script with ``--worker``):
   30% / 25% of plain's step memory (the peak of its tensors, parameters and AdamW's state
   included, as ``ts.record`` counts it; plain's worker measures it first).
 * ``tshf1``: ``ts.fit`` with the budget at ``hf1``'s tensor peak (same memory: is it faster?).
+* ``ts60r`` / ``ts40r`` / ``ts30r``: the same budgets with activation offload taken out of
+  ts.fit's choices (an ablation: every block kept or recomputed, as before offload was a
+  choice), to show what offloading buys at that budget; ``ts60o`` / ``ts40o`` / ``ts30o``: the
+  other way, offload predicted to take no time, so every block that fits is offloaded (what
+  offloading really costs, against the whole-I/O count the decision uses).
 
 Per variant: ``--warmup`` steps (ts.fit: step 1 measures, step 2 re-times, step 3 is recorded),
 then ``--steps`` timed steps: the median seconds per step and its ratio to plain's (with
@@ -67,6 +72,12 @@ VARIANTS = (
     "ts40",
     "ts30",
     "ts25",
+    "ts60r",
+    "ts40r",
+    "ts30r",
+    "ts60o",
+    "ts40o",
+    "ts30o",
 )
 PEERS = ("plain", "hf1", "hf2", "hf1ob", "hf1disk", "cmp50", "cmp25")
 COMPILE_BUDGETS = {"cmp50": 0.5, "cmp25": 0.25}
@@ -149,8 +160,13 @@ def _worker(cfg: dict[str, Any]) -> dict[str, Any]:
 
         functorch_config.activation_memory_budget = COMPILE_BUDGETS[variant]
         run = torch.compile(model)
-    elif variant in BUDGETS:
-        fit = ts.fit(model, opt, budget=int(cfg["plain_tensors"] * BUDGETS[variant]))
+    elif variant in BUDGETS or variant[:-1] in BUDGETS:
+        if variant.endswith("o"):  # the other ablation: offload predicted free
+            _offload_for_free()
+        share = BUDGETS[variant if variant in BUDGETS else variant[:-1]]
+        fit = ts.fit(model, opt, budget=int(cfg["plain_tensors"] * share))
+        if variant.endswith("r"):  # the ablation: no block offloaded
+            fit._offload_off = "taken out of the choices (the benchmark's ablation)"
     elif variant == "tshf1":
         if cfg.get("hf1_tensors") is None:
             raise SystemExit("tshf1 needs hf1 in the same run (--variants ...,hf1,tshf1)")
@@ -215,6 +231,21 @@ class _NoStep:
 
     def zero_grad(self) -> None:
         pass
+
+
+def _offload_for_free() -> None:
+    """``ts*o``: ts.fit's offload model with no I/O time, so every block it can offload is
+    offloaded (what the offload really costs, against the count the decision uses)."""
+    from tensorscope.checkpoint.offloaded import OffloadModel
+    from tensorscope.fit.handle import Fit
+
+    measured = Fit._offload_model
+
+    def free(self: Fit) -> OffloadModel | None:
+        model = measured(self)
+        return None if model is None else OffloadModel(model.nbytes, (0.0,) * len(model.nbytes))
+
+    Fit._offload_model = free  # type: ignore[method-assign]
 
 
 def _optimizer_in_backward(model: Any) -> _NoStep:

@@ -8,7 +8,8 @@ recorded step (``ts.record``, ``MemoryPlan``). See NOTE [the step around the cha
 
 from __future__ import annotations
 
-from collections.abc import Collection
+import bisect
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -130,15 +131,39 @@ def chain_ops(plan: MemoryPlan, paths: Collection[str]) -> tuple[range, range] |
     return forward, range(bw[0], stop)
 
 
-def chain_backward_peak(plan: MemoryPlan, paths: Collection[str]) -> int:
-    """The most bytes the recorded step held while its chain's backward ran (the plan's
-    peak when no op of the chain is found): where offloaded activations are read back."""
+def chain_backward_peak(
+    plan: MemoryPlan, paths: Collection[str], ahead: Sequence[tuple[float, int]] = ()
+) -> int:
+    """The most bytes the recorded step held while its chain's backward ran, with ``ahead``
+    added op by op: ``(seconds since the recording began, bytes)`` at each change of what an
+    offloader held read back ahead of use (the recording sees such bytes only from their use;
+    each op counts the most held while it ran). The plan's peak when no chain op is found.
+
+    Example:
+        >>> from tensorscope.plan.model import Lifetime, MemoryPlan, OpInfo
+        >>> ops = [OpInfo("mm", float(i), "", b, ph) for i, (b, ph) in enumerate(
+        ...        [("h.0", "forward"), ("h.0", "backward"), ("h.0", "backward")])]
+        >>> lives = [Lifetime(0, "activation", 100, 0, 0, 2, "", (), "f32", "cpu")]
+        >>> plan = MemoryPlan(100, 0, "", "forward", {}, None, [], lives, ops, [], [], [],
+        ...                   "cpu", 3.0)
+        >>> chain_backward_peak(plan, ["h.0"]), chain_backward_peak(plan, ["h.0"], [(1.5, 40)])
+        (100, 140)
+    """
     ranges = chain_ops(plan, paths) if paths else None
     if ranges is None:
         return plan.peak_bytes
     backward = ranges[1]
-    state = _Intervals(plan)
-    intervals = [part for parts in state.parts.values() for part in parts] + list(state.extra)
+    intervals = _Intervals(plan).all()
+    times = [op.seconds for op in plan.ops] + [plan.seconds]
+    stamps = [t for t, _ in ahead]
+    for i in backward:
+        start, stop = times[i], times[i + 1]
+        before = bisect.bisect_right(stamps, start) - 1
+        held = [ahead[before][1]] if before >= 0 else []
+        held += [b for t, b in ahead[before + 1 : bisect.bisect_right(stamps, stop)]]
+        most = max(held, default=0)
+        if most:
+            intervals.append(((i, -2, 0), (i + 1, -2, 0), most, 0))
     return _peak(intervals, [(backward.start, backward.stop)])
 
 

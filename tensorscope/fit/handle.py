@@ -181,8 +181,10 @@ class Fit:
         self._bandwidth: Bandwidth | None = None
         self._offloader: ActivationOffloader | None = None
         self._offload_tier: str | None = None
+        self._offload_off = ""  # why offload was taken out of the choices (a failed write)
         self._offload_read_ahead = 0
-        self._bw_peak = 0  # the recorded step's peak during the chain's backward
+        self._bw_peak = 0  # the recorded step's peak during the chain's backward (+ read-ahead)
+        self._recorded_at = 0.0
         self._handles: list[Any] = []
         self._grad_hooks: list[Any] = []
         plan_hooks.install()  # NOTE [the step boundary]: before any recording opens in a hook
@@ -257,6 +259,8 @@ class Fit:
         elif self.plan_after is None and self.steps >= self._after_at:
             if self._offloader is not None:
                 self._offloader.reset_peak()
+                self._offloader.log_read_ahead(True)  # the recorded step's
+            self._recorded_at = time.perf_counter()  # the recording's clock starts now
             self._open("after")
 
     def _open(self, kind: str) -> None:
@@ -311,8 +315,23 @@ class Fit:
             self.plan_after = plan
             offloading = self._offloader is not None and bool(self.chain and self.chain.offloaded)
             if offloading and self._offloader is not None:
-                self._offload_read_ahead = self._offloader.stats().peak_read_ahead_bytes
-                self._bw_peak = chain_backward_peak(plan, self._chain_paths(plan))
+                stats = self._offloader.stats()
+                self._offload_read_ahead = stats.peak_read_ahead_bytes
+                log = [(t - self._recorded_at, b) for t, b in self._offloader.log_read_ahead(False)]
+                self._bw_peak = chain_backward_peak(plan, self._chain_paths(plan), log)
+                if stats.write_errors and self.plan_before is not None:
+                    self._offload_off = (
+                        f"writing activations to the {stats.tier} tier failed: {stats.last_error}"
+                    )
+                    warnings.warn(
+                        f"{_SUB}: {stats.write_errors} offloaded activations could not be "
+                        f"written to the {stats.tier} tier ({stats.last_error}); they stayed "
+                        f"in memory (nothing is lost); deciding again without offload",
+                        FitWarning,
+                        stacklevel=2,
+                    )
+                    self._apply(self.plan_before, self._inb is not None)
+                    return
             self._check(plan)
         elif self._state == "run" and self.plan_after is not None:
             self._times.append(elapsed)
@@ -390,7 +409,7 @@ class Fit:
         """What offloading each block's saved tensors moves (measured in the first step) and
         costs (the next tier's measured bandwidth); None when no block saves enough to move."""
         chain = self.chain
-        if chain is None or chain.profile is None or self._managed():
+        if chain is None or chain.profile is None or self._managed() or self._offload_off:
             return None
         layers = chain.profile.layers
         if not any(layer.offload_nbytes for layer in layers):
@@ -529,11 +548,11 @@ class Fit:
 
     def measured_peak(self, plan: MemoryPlan) -> int:
         """``plan``'s peak, or where blocks are offloaded, at least the chain's backward peak
-        plus what the offloader read back ahead of use (the recording sees a read-back tensor
-        from its use on; reads happen only in the chain's backward)."""
+        with what the offloader held read back ahead of use added op by op (the recording sees
+        a read-back tensor from its use on; reads happen only in the chain's backward)."""
         if not self._offload_read_ahead:
             return plan.peak_bytes
-        return max(plan.peak_bytes, self._bw_peak + self._offload_read_ahead)
+        return max(plan.peak_bytes, self._bw_peak)
 
     # -- public --------------------------------------------------------------------------------
 
@@ -576,7 +595,7 @@ class Fit:
                 notes=tuple(self.notes),
                 error=str(self._error) if self._error is not None else None,
                 removed=self.removed,
-                offload_tier=self._offload_tier,
+                offload_tier=None if self._offload_off else self._offload_tier,
                 offload_why_not=self._offload_why_not(),
                 offload_read_ahead=self._offload_read_ahead,
                 measured_peak=self.measured_peak(self.plan_after) if self.plan_after else 0,
@@ -584,6 +603,8 @@ class Fit:
         )
 
     def _offload_why_not(self) -> str:
+        if self._offload_off:
+            return self._offload_off
         if self._managed():
             return "the model is under ts.manage"
         chain = self.chain

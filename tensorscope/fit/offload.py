@@ -32,6 +32,7 @@ Example:
 from __future__ import annotations
 
 import threading
+import time
 import weakref
 from collections.abc import Iterable, Sequence
 from typing import Any
@@ -186,6 +187,17 @@ class ActivationOffloader:
         with engine.lock:
             engine.peak_ram_bytes = engine.ram_bytes
             engine.peak_ahead_bytes = engine.ahead_bytes
+
+    def log_read_ahead(self, start: bool) -> list[tuple[float, int]]:
+        """What was logged since the last call: ``(time.perf_counter(), bytes)`` at each
+        change of the bytes held read back ahead of use; then log again (``start``) or stop.
+        ``ts.fit`` lines this up with a recorded step's ops."""
+        engine = self._engine
+        with engine.lock:
+            log = engine.ahead_log or []
+            now = [(time.perf_counter(), engine.ahead_bytes)]
+            engine.ahead_log = now if start else None
+        return log
 
     def measure_bandwidth(self, nbytes: int = 32 << 20, small_bytes: int = 64 << 10) -> Bandwidth:
         """Write ``nbytes`` to the tier and read them back, synchronously, on this thread; and

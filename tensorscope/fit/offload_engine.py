@@ -175,6 +175,7 @@ class Engine:
         self.peak_ram_bytes = 0
         self.ahead_bytes = 0  # of ram_bytes: read back, not yet unpacked by every handle
         self.peak_ahead_bytes = 0
+        self.ahead_log: list[tuple[float, int]] | None = None  # (perf_counter, ahead_bytes)
         self.bytes_written = 0
         self.write_s = 0.0
         self.bytes_read = 0
@@ -200,6 +201,8 @@ class Engine:
         if ahead:
             self.ahead_bytes += delta
             self.peak_ahead_bytes = max(self.peak_ahead_bytes, self.ahead_bytes)
+            if self.ahead_log is not None:
+                self.ahead_log.append((time.perf_counter(), self.ahead_bytes))
 
     # ------------------------------------------------------------------------------- pack
     def new_run(self, group: int) -> GroupRun:

@@ -236,3 +236,45 @@ def test_tiny_blocks_are_not_considered_for_offload() -> None:
         assert fit._offloader is None
     finally:
         fit.remove()
+
+
+@pytest.mark.usefixtures("forced")
+def test_a_failed_write_keeps_the_activation_and_warns() -> None:
+    budget = int(_plain_peak() * 0.6)
+    torch.manual_seed(0)
+    model = MLPChain(WIDTH, 6).train()
+    plain = twin(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    plain_opt = torch.optim.AdamW(plain.parameters(), lr=1e-3)
+    fit = ts.fit(model, opt, budget=budget)
+    try:
+        data = _data()
+        x = next(data)
+        _step(model, opt, x, 0)  # measured and decided: the offloader exists now
+        _step(plain, plain_opt, x, 0)
+        assert fit._offloader is not None
+        store = fit._offloader._engine.store
+
+        def full(*args: object) -> object:
+            raise OSError(28, "No space left on device")
+
+        store.finish = full  # type: ignore[method-assign]
+        with pytest.warns(ts.FitWarning, match="could not be written .* deciding again"):
+            for i in (1, 2):
+                x = next(data)
+                _step(model, opt, x, i)
+                _step(plain, plain_opt, x, i)
+        assert differing(model, plain) == []
+        assert fit._offloader.stats().write_errors > 0
+        for i in range(3, 6):  # decided again without offload: still within the budget
+            x = next(data)
+            _step(model, opt, x, i)
+            _step(plain, plain_opt, x, i)
+        assert differing(model, plain) == []
+        assert fit.decision is not None and "offload" not in fit.decision.blocks
+        assert fit.plan_after is not None and fit.measured_peak(fit.plan_after) <= budget
+        assert "offload: not considered (writing activations to the disk tier failed" in (
+            fit.explain()
+        )
+    finally:
+        fit.remove()
