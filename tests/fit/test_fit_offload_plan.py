@@ -7,6 +7,7 @@ the choice forced where the test is about what runs rather than what is chosen.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterator
 
 import pytest
@@ -142,6 +143,19 @@ def _plain_peak() -> int:
     return rec.plan().peak_bytes
 
 
+def _fitted_and_plain() -> tuple[
+    int, nn.Module, nn.Module, torch.optim.Optimizer, torch.optim.Optimizer, handle.Fit
+]:
+    """A budget of 60% of plain's step, the MLP fitted to it, and its plain twin."""
+    budget = int(_plain_peak() * 0.6)
+    torch.manual_seed(0)
+    model = MLPChain(WIDTH, 6).train()
+    plain = twin(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    plain_opt = torch.optim.AdamW(plain.parameters(), lr=1e-3)
+    return budget, model, plain, opt, plain_opt, ts.fit(model, opt, budget=budget)
+
+
 @pytest.fixture
 def forced(monkeypatch: pytest.MonkeyPatch) -> None:
     """Offload predicted free: the decision offloads wherever it fits (what runs is tested)."""
@@ -157,18 +171,12 @@ def forced(monkeypatch: pytest.MonkeyPatch) -> None:
 @pytest.mark.usefixtures("forced")
 @pytest.mark.parametrize("scoped", [False, True])
 def test_offloaded_blocks_train_bit_identically_within_the_budget(scoped: bool) -> None:
-    budget = int(_plain_peak() * 0.6)
-    torch.manual_seed(0)
-    model = MLPChain(WIDTH, 6).train()
-    plain = twin(model)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    plain_opt = torch.optim.AdamW(plain.parameters(), lr=1e-3)
-    fit = ts.fit(model, opt, budget=budget)
+    budget, model, plain, opt, plain_opt, fit = _fitted_and_plain()
     try:
         data = _data()
         for i in range(5):
             x = next(data)
-            with ts.scope() if scoped else _nothing():
+            with ts.scope() if scoped else contextlib.nullcontext():
                 _step(model, opt, x, i)
             _step(plain, plain_opt, x, i)
             assert differing(model, plain) == [], f"step {i + 1}"
@@ -189,14 +197,6 @@ def test_offloaded_blocks_train_bit_identically_within_the_budget(scoped: bool) 
     finally:
         fit.remove()
     assert offloader.closed
-
-
-class _nothing:
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *exc: object) -> None:
-        return None
 
 
 def test_measured_bandwidth_decides_and_explain_says_so() -> None:
@@ -240,13 +240,7 @@ def test_tiny_blocks_are_not_considered_for_offload() -> None:
 
 @pytest.mark.usefixtures("forced")
 def test_a_failed_write_keeps_the_activation_and_warns() -> None:
-    budget = int(_plain_peak() * 0.6)
-    torch.manual_seed(0)
-    model = MLPChain(WIDTH, 6).train()
-    plain = twin(model)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    plain_opt = torch.optim.AdamW(plain.parameters(), lr=1e-3)
-    fit = ts.fit(model, opt, budget=budget)
+    budget, model, plain, opt, plain_opt, fit = _fitted_and_plain()
     try:
         data = _data()
         x = next(data)
