@@ -370,30 +370,34 @@ PyObject* res_set(PyObject*, PyObject* args) {
   Py_RETURN_NONE;
 }
 
-// res_drop(key) -> bool: False (nothing dropped) while a fast op pins it.
-PyObject* res_drop(PyObject*, PyObject* arg) {
+// Runs `act` on the entry of key `arg` unless a fast op pins it: True when done (or there is
+// no entry), False while pinned.
+template <typename Act>
+PyObject* unless_pinned(PyObject* arg, Act act) {
   const unsigned long long key = PyLong_AsUnsignedLongLong(arg);
   if (PyErr_Occurred()) return nullptr;
   std::lock_guard<std::mutex> lock(g_mu);
   const auto found = g_entries.find(reinterpret_cast<const void*>(key));
   if (found == g_entries.end()) Py_RETURN_TRUE;
   if (found->second.pins > 0) Py_RETURN_FALSE;
-  if (!found->second.on_device) g_off_device.fetch_sub(1);
-  g_entries.erase(found);
+  act(found);
   Py_RETURN_TRUE;
+}
+
+// res_drop(key) -> bool: False (nothing dropped) while a fast op pins it.
+PyObject* res_drop(PyObject*, PyObject* arg) {
+  return unless_pinned(arg, [](decltype(g_entries)::iterator found) {
+    if (!found->second.on_device) g_off_device.fetch_sub(1);
+    g_entries.erase(found);
+  });
 }
 
 // res_claim(key) -> bool: the placement leaves the fast path (about to move); False while a
 // fast op uses it.
 PyObject* res_claim(PyObject*, PyObject* arg) {
-  const unsigned long long key = PyLong_AsUnsignedLongLong(arg);
-  if (PyErr_Occurred()) return nullptr;
-  std::lock_guard<std::mutex> lock(g_mu);
-  const auto found = g_entries.find(reinterpret_cast<const void*>(key));
-  if (found == g_entries.end()) Py_RETURN_TRUE;
-  if (found->second.pins > 0) Py_RETURN_FALSE;
-  found->second.fast = false;
-  Py_RETURN_TRUE;
+  return unless_pinned(arg, [](decltype(g_entries)::iterator found) {
+    found->second.fast = false;
+  });
 }
 
 // res_arena(fd, high, canary, ok) / res_arena(fd) to forget it
