@@ -523,8 +523,8 @@ class Fit:
         return self.decision.chosen.predicted_peak if self.decision is not None else 0
 
     def _check(self, plan: MemoryPlan) -> None:
-        # the recorder sees a read-back tensor from its use on: the offloader's own count
-        # bounds what it held besides (NOTE [offload in rotor's model] reserves it)
+        # with blocks offloaded, what the offloader held read back ahead of use counts too
+        # (the recording sees such a tensor from its use on): measured_peak adds it op by op
         excess = self.measured_peak(plan) - self.budget_bytes
         if excess <= 0 or self.plan_before is None:
             return
