@@ -21,20 +21,25 @@ def test_weights_equal_plain_and_peak_within_budget(name: str, kind: str) -> Non
     ref = twin(model)
     opt, ref_opt = optimizer(kind, model), optimizer(kind, ref)
     fit = ts.fit(model, opt, budget=budget)
-    data, ref_data = batches(name), batches(name)
-    for k in range(STEPS):
-        assert step(model, opt, next(data), seed=k) == step(ref, ref_opt, next(ref_data), seed=k)
-        assert differing(model, ref) == [], f"step {k + 1}"
-    assert fit.decision is not None and fit.decision.free_gradients
-    assert fit.plan_before is not None and fit.plan_after is not None
-    assert fit.plan_after.peak_bytes <= budget
-    assert fit.decision.chosen.predicted_peak <= budget
-    assert "recompute" in fit.decision.blocks  # 60% of plain: not everything can stay
-    text = fit.explain()
-    assert "freed at each parameter's update" in text
-    assert "\n    offload: " in text  # considered or not, with the reason
-    assert "measured: peak" in text
-    fit.remove()
+    try:
+        data, ref_data = batches(name), batches(name)
+        for k in range(STEPS):
+            loss = step(model, opt, next(data), seed=k)
+            assert loss == step(ref, ref_opt, next(ref_data), seed=k)
+            assert differing(model, ref) == [], f"step {k + 1}"
+        assert fit.decision is not None and fit.decision.free_gradients
+        assert fit.plan_before is not None and fit.plan_after is not None
+        assert fit.measured_peak(fit.plan_after) <= budget
+        assert fit.decision.chosen.predicted_peak <= budget
+        # 60% of plain: not everything can stay (recomputed, or offloaded where the measured
+        # times make moving a block cheaper: the MLP's blocks save enough to be offloaded)
+        assert {"recompute", "offload"} & set(fit.decision.blocks)
+        text = fit.explain()
+        assert "freed at each parameter's update" in text
+        assert "\n    offload: " in text  # considered or not, with the reason
+        assert "measured: peak" in text
+    finally:
+        fit.remove()
 
 
 def test_a_larger_budget_keeps_more_and_runs_plain_results() -> None:
