@@ -19,7 +19,7 @@ from torch import nn
 from torch.autograd.function import once_differentiable
 
 from tensorscope.checkpoint.calls import BlockCall, BlockOutput, split_output
-from tensorscope.checkpoint.chain import FORWARD_KINDS, Op
+from tensorscope.checkpoint.chain import Op, forward_runs
 from tensorscope.checkpoint.executor import (
     _autocast,
     _autocast_state,
@@ -109,11 +109,7 @@ class BlockPlan:
             raise ValueError(f"{_PREFIX} a schedule must run blocks 0..{n - 1} before the loss")
         self.first = first
         self.backward_ops = list(self.ops[split + 1 :])
-        runs = [0] * n
-        for op in self.ops:
-            if op[0] in FORWARD_KINDS:
-                runs[op[1]] += 1  # type: ignore[misc]
-        self.rerun = {k for k, r in enumerate(runs) if r > 1}
+        self.rerun = {k for k, r in forward_runs(self.ops).items() if r > 1}
         self.offload = frozenset(offload) - self.rerun
         self.replay_rng = self.rerun.intersection(rng_blocks)
         self.batchnorms = [

@@ -21,11 +21,11 @@ from tensorscope._units import format_bytes, parse_bytes
 from tensorscope.checkpoint.blockprobe import BlockProbe, every_block_ops, retimed
 from tensorscope.checkpoint.blockrun import BlockFunction, BlockPlan, BlockRun, Offloader
 from tensorscope.checkpoint.calls import drop_caches, split_call, storage_key
-from tensorscope.checkpoint.chain import FORWARD_KINDS, Chain, Schedule
+from tensorscope.checkpoint.chain import Chain, Schedule
 from tensorscope.checkpoint.explain import explain
 from tensorscope.checkpoint.find import find_chain
 from tensorscope.checkpoint.module import RNG_STATE_NBYTES
-from tensorscope.checkpoint.offloaded import OffloadModel, offload_window, offloaded_chain
+from tensorscope.checkpoint.offloaded import OffloadModel, kept_offloaded, with_offload
 from tensorscope.checkpoint.profile import Profile
 from tensorscope.checkpoint.solver import min_memory, solve, store_all_memory
 from tensorscope.errors import ArgumentTypeError, InvalidArgumentError, ScheduleError
@@ -322,12 +322,10 @@ class CheckpointedChain:
         reserve = self.context_nbytes + (RNG_STATE_NBYTES * len(rng_blocks) if keep_rng else 0)
         self.reserved_nbytes = reserve
         limit = self.mem_limit
-        while True:  # an offloaded block the DP recomputes is not offloaded: solve again
-            schedule = self._schedule(chain, reserve, limit)
-            kept = [k for k in self.offloaded if _runs(schedule, k) == 1]
-            if len(kept) == len(self.offloaded):
-                break
-            self.offloaded = tuple(kept)
+        schedule, self.offloaded = kept_offloaded(
+            self.offloaded, lambda blocks: self._schedule(chain, reserve, limit, blocks)
+        )
+        assert schedule is not None  # _schedule raises rather than return None
         self._plan = BlockPlan(
             self.blocks,
             self._forwards,
@@ -337,10 +335,11 @@ class CheckpointedChain:
         )
         self.schedule, self.solved_limit = schedule, limit
 
-    def _schedule(self, chain: Chain, reserve: int, limit: int | None) -> Schedule:
-        if self.offload_model is not None and self.offloaded:  # NOTE [offload in rotor's model]
-            chain = offloaded_chain(chain, self.offload_model, self.offloaded)
-            reserve += offload_window(self.offload_model, self.offloaded)
+    def _schedule(
+        self, chain: Chain, reserve: int, limit: int | None, offloaded: tuple[int, ...]
+    ) -> Schedule:
+        chain, extra = with_offload(chain, self.offload_model, offloaded)  # NOTE [offload in
+        reserve += extra  # rotor's model]
         top = store_all_memory(chain)
         if limit is None or limit - reserve >= top:
             return solve(chain, top)
@@ -404,10 +403,6 @@ class _Dispatch:
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         return self.owner._call(self.k, args, kwargs)
-
-
-def _runs(schedule: Schedule, k: int) -> int:
-    return sum(1 for op in schedule.ops if op[0] in FORWARD_KINDS and op[1] == k)  # type: ignore[misc]
 
 
 def _params(block: nn.Module) -> list[torch.Tensor]:

@@ -6,13 +6,14 @@ Pure Python, no torch: the solver and the simulator are tested on plain numbers.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections import Counter
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import TypeAlias
 
 from tensorscope.errors import ArgumentTypeError, InvalidArgumentError
 
-__all__ = ["Chain", "Op", "Schedule", "format_ops"]
+__all__ = ["Chain", "Op", "Schedule", "format_ops", "forward_runs"]
 
 #: One step of a schedule: ``("Fn", k)``, ``("Fck", k)``, ``("Fe", k)``, ``("B", k)`` or
 #: ``("Loss",)``. See docs/api.md §5 and ``docs/checkpoint.md`` for what each one does to memory.
@@ -21,6 +22,16 @@ Op: TypeAlias = tuple[str, int] | tuple[str]
 FORWARD_KINDS = ("Fn", "Fck", "Fe")
 
 _PREFIX = "tensorscope.checkpoint:"
+
+
+def forward_runs(ops: Iterable[Op]) -> Counter[int]:
+    """How many times a schedule runs each layer's forward (more than once: recomputed).
+
+    Example:
+        >>> forward_runs([("Fck", 0), ("Fe", 1), ("Loss",), ("B", 1), ("Fe", 0), ("B", 0)])
+        Counter({0: 2, 1: 1})
+    """
+    return Counter(op[1] for op in ops if op[0] in FORWARD_KINDS)  # type: ignore[misc]
 
 
 def _times(name: str, values: Sequence[float], length: int) -> tuple[float, ...]:

@@ -17,7 +17,7 @@ from torch import nn
 from torch.autograd.function import once_differentiable
 from torch.autograd.graph import GradientEdge, get_gradient_edge
 
-from tensorscope.checkpoint.chain import FORWARD_KINDS, Op
+from tensorscope.checkpoint.chain import Op, forward_runs
 
 __all__ = ["Executor"]
 
@@ -60,11 +60,7 @@ class _Plan:
         split = list(ops).index(("Loss",))
         self.forward_ops = list(ops[:split])
         self.backward_ops = list(ops[split + 1 :])
-        runs = [0] * len(self.layers)
-        for op in ops:
-            if op[0] in FORWARD_KINDS:
-                runs[op[1]] += 1  # type: ignore[misc]
-        self.rerun = {k for k, n in enumerate(runs) if n > 1}
+        self.rerun = {k for k, n in forward_runs(ops).items() if n > 1}
         self.replay_rng = self.rerun.intersection(rng_layers)
         # B(k) directly followed by B(k-1): layer k may be chained onto layer k-1's graph
         self.adjacent = {

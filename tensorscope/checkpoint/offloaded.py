@@ -8,18 +8,20 @@ See NOTE [offload in rotor's model].
 
 from __future__ import annotations
 
-from collections.abc import Collection, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 
-from tensorscope.checkpoint.chain import Chain
+from tensorscope.checkpoint.chain import Chain, Schedule, forward_runs
 
 __all__ = [
     "OFFLOAD_MIN_BYTES",
     "OffloadModel",
+    "kept_offloaded",
     "offload_prefixes",
     "offload_window",
     "offloaded_chain",
     "predicted_io_s",
+    "with_offload",
 ]
 
 #: Saved storages smaller than this stay in memory when ``ts.fit`` offloads a block (their
@@ -106,6 +108,43 @@ def offload_window(model: OffloadModel, blocks: Collection[int]) -> int:
         return 0
     pairs = [model.nbytes[k] + (model.nbytes[k - 1] if k - 1 in chosen else 0) for k in chosen]
     return max(max(pairs), model.in_flight_nbytes)
+
+
+def with_offload(
+    chain: Chain, model: OffloadModel | None, blocks: Collection[int]
+) -> tuple[Chain, int]:
+    """``chain`` as offloading ``blocks`` leaves it, and the bytes to reserve for that on top
+    of its limit (``chain`` and 0 when nothing is offloaded)."""
+    if model is None or not blocks:
+        return chain, 0
+    return offloaded_chain(chain, model, blocks), offload_window(model, blocks)
+
+
+def kept_offloaded(
+    blocks: Sequence[int], solve: Callable[[tuple[int, ...]], Schedule | None]
+) -> tuple[Schedule | None, tuple[int, ...]]:
+    """``solve`` with ``blocks`` offloaded; a block its schedule still recomputes is not
+    offloaded, so it is dropped and the chain solved again (the set only shrinks). Returns the
+    schedule (None: ``solve`` found none) and the blocks offloaded in it.
+
+    Example:
+        >>> from tensorscope.checkpoint.chain import Schedule
+        >>> def solve(blocks):  # block 1 is recomputed whatever is offloaded
+        ...     return Schedule(0.0, 0, (("Fe", 0), ("Fck", 1), ("Loss",), ("Fe", 1),
+        ...                              ("B", 1), ("B", 0)), 0)
+        >>> kept_offloaded([0, 1], solve)[1]
+        (0,)
+    """
+    chosen = tuple(blocks)
+    while True:
+        schedule = solve(chosen)
+        if schedule is None:
+            return None, chosen
+        runs = forward_runs(schedule.ops)
+        kept = tuple(k for k in chosen if runs[k] == 1)
+        if kept == chosen:
+            return schedule, chosen
+        chosen = kept
 
 
 def offload_prefixes(n: int, model: OffloadModel) -> list[int]:

@@ -15,13 +15,13 @@ from dataclasses import dataclass
 from typing import Literal
 
 from tensorscope._units import format_bytes
-from tensorscope.checkpoint.chain import FORWARD_KINDS, Chain, Schedule
+from tensorscope.checkpoint.chain import Chain, Schedule, forward_runs
 from tensorscope.checkpoint.offloaded import (
     OffloadModel,
+    kept_offloaded,
     offload_prefixes,
-    offload_window,
-    offloaded_chain,
     predicted_io_s,
+    with_offload,
 )
 from tensorscope.checkpoint.solver import min_memory, solve, store_all_memory
 from tensorscope.errors import ScheduleError
@@ -130,14 +130,11 @@ def block_choices(
     keep: BlockChoice = "keep"
     if schedule is None:
         return (keep,) * n
-    runs = [0] * n
-    for op in schedule.ops:
-        if op[0] in FORWARD_KINDS:
-            runs[op[1]] += 1  # type: ignore[misc]
+    runs = forward_runs(schedule.ops)
     recompute: BlockChoice = "recompute"
     offload: BlockChoice = "offload"
     return tuple(
-        recompute if r > 1 else offload if k in offloaded else keep for k, r in enumerate(runs)
+        recompute if runs[k] > 1 else offload if k in offloaded else keep for k in range(n)
     )
 
 
@@ -177,24 +174,22 @@ def _evaluate_with(
         fits = budget >= least
         return Candidate(base, least, None, None, least if fits else 0, base.seconds)
     chain = dataclasses.replace(chain, loss_tmp=base.loss_tmp)
-    blocks = [k for k in prefix if offload is not None and offload.worth(k)]
-    while True:  # an offloaded block the DP still recomputes is not offloaded: solve again
-        solved = _solve_with(budget, base, chain, reserve, slots, offload, blocks)
-        if solved.schedule is None or offload is None:
-            break
-        choices = block_choices(solved.schedule, chain.length)
-        kept = [k for k in blocks if choices[k] == "keep"]
-        if kept == blocks:
-            break
-        blocks = kept
-    if solved.schedule is None:
+    tried: dict[tuple[int, ...], Candidate] = {}
+
+    def attempt(blocks: tuple[int, ...]) -> Schedule | None:
+        tried[blocks] = _solve_with(budget, base, chain, reserve, slots, offload, blocks)
+        return tried[blocks].schedule
+
+    prefix = [k for k in prefix if offload is not None and offload.worth(k)]
+    schedule, blocks = kept_offloaded(prefix, attempt)
+    solved = tried[blocks]
+    if schedule is None or offload is None:
         return solved
-    io_s = predicted_io_s(offload, blocks) if offload is not None else 0.0
     return dataclasses.replace(
         solved,
-        predicted_s=solved.predicted_s + io_s,
-        offloaded=tuple(blocks),
-        offload_nbytes=sum(offload.nbytes[k] for k in blocks) if offload else 0,
+        predicted_s=solved.predicted_s + predicted_io_s(offload, blocks),
+        offloaded=blocks,
+        offload_nbytes=sum(offload.nbytes[k] for k in blocks),
     )
 
 
@@ -207,10 +202,7 @@ def _solve_with(
     offload: OffloadModel | None,
     blocks: Sequence[int],
 ) -> Candidate:
-    extra = 0
-    if offload is not None and blocks:
-        chain = offloaded_chain(chain, offload, blocks)
-        extra = offload_window(offload, blocks)
+    chain, extra = with_offload(chain, offload, blocks)
     reserve += extra
     least = max(base.outside, base.under_chain + reserve + min_memory(chain))
     top = store_all_memory(chain)
