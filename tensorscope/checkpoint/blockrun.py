@@ -63,6 +63,20 @@ _PREFIX = "tensorscope.checkpoint:"
 # Recomputations in the backward are not offloaded (what they save is used at once).
 
 
+# NOTE [context gradients in plain autograd's order]
+# A context tensor that requires grad and reaches several blocks (a T5 decoder's
+# encoder_hidden_states, read by each block's cross-attention keys and values) gets in plain
+# autograd one gradient, accumulated in arrival order: ((s + a_k) + b_k) where s is what the
+# later blocks gave and a_k, b_k the two uses in block k. Block k's backward here sums its own
+# uses first: s + (a_k + b_k), other bits. So the run carries s itself: B(k) differentiates one
+# more root, an alias of the context leaf made at backward time (the newest node, so autograd
+# runs it first) with s as its gradient, which puts s in the leaf's buffer before block k's own
+# terms arrive, in their plain order; the sum is kept for the next block, and only the first
+# block that takes the tensor (the last backward to see it) returns it to autograd, whose
+# buffer then holds that one term. Bit-identical to plain when the chain's blocks are the
+# tensor's only readers (as in encoder-decoders); a reader outside the chain is added once.
+
+
 class Probe(Protocol):
     """What measures a run (``blockprobe.BlockProbe``): a window around every op."""
 
@@ -152,6 +166,10 @@ class BlockRun:
         self.calls: dict[int, BlockCall] = {}
         self.structure: dict[int, BlockOutput] = {}
         self.params: dict[int, list[torch.Tensor]] = {}
+        # NOTE [context gradients in plain autograd's order]: per context tensor (by id) the
+        # first block that takes it, and the gradient the later blocks' backwards summed so far
+        self.ctx_first: dict[int, int] = {}
+        self.ctx_sums: dict[int, torch.Tensor] = {}
         self.backward_done: set[int] = set()
         self.loss_done = False
         self.rng: dict[int, tuple[torch.Tensor, torch.Tensor | None]] = {}
@@ -242,6 +260,8 @@ class BlockRun:
             self.x_requires_grad = x.requires_grad
             self.device = x.device
             self.autocast = _autocast_state(x.device.type)
+        for t in self.calls[k].grad_tensors:
+            self.ctx_first.setdefault(id(t), k)
         out = self.forward_op(self.plan.first[k], k, in_forward=True)
         self.structure[k] = out.template()
         self.next_block = k + 1
@@ -283,9 +303,17 @@ class BlockRun:
         params = self.params[k]
         grad_input = g.inp.requires_grad
         targets = ([g.inp] if grad_input else []) + g.ctx + params
-        pairs = [
+        pairs: list[tuple[_Root, torch.Tensor]] = [
             (r, d) for r, d in zip(g.roots, grads, strict=False) if r is not None and d is not None
         ]
+        # NOTE [context gradients in plain autograd's order]
+        keys = [id(t) for t in self.calls[k].grad_tensors]
+        sums = [self.ctx_sums.pop(key, None) for key in keys]
+        if pairs:
+            with torch.enable_grad():
+                for leaf, s in zip(g.ctx, sums, strict=True):
+                    if s is not None:
+                        pairs.append((leaf.view_as(leaf), s))
         result: Sequence[torch.Tensor | None] = [None] * len(targets)
         window = self.probe.backward(k) if self.probe else contextlib.nullcontext(_ignore)
         with window as seen:
@@ -301,6 +329,12 @@ class BlockRun:
             param_grads = list(result[len(targets) - len(params) :])
             seen(d_k, [p for p in param_grads if p is not None])
         ctx_grads = list(result[int(grad_input) : len(targets) - len(params)])
+        for i, key in enumerate(keys):
+            grad = ctx_grads[i] if ctx_grads[i] is not None else sums[i]
+            ctx_grads[i] = grad
+            if grad is not None and self.ctx_first.get(key, k) < k:
+                self.ctx_sums[key] = grad  # returned by the first block that takes the tensor
+                ctx_grads[i] = None
         del g
         self.backward_done.add(k)
         self._drop_x(k)
@@ -308,6 +342,7 @@ class BlockRun:
         if k == 0:
             self.plain.clear()
             self.outs.clear()
+            self.ctx_sums.clear()
             if self.on_done is not None:
                 self.on_done(self)
         return (d_k if k > 0 or self.x_requires_grad else None), ctx_grads, param_grads

@@ -3,11 +3,14 @@ budget, the decision as explain() says it."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import pytest
+import torch
 
 import tensorscope as ts
 
-from .fit_helpers import batches, differing, optimizer, plain_peak, step, tiny, twin
+from .fit_helpers import BATCH, VOCAB, batches, differing, optimizer, plain_peak, step, tiny, twin
 
 MODELS = ["gpt2", "llama", "bert", "mlp"]
 STEPS = 4
@@ -87,3 +90,55 @@ def test_clip_grad_norm_keeps_gradients_and_says_why() -> None:
     assert "reads gradients outside backward" in fit.explain()
     assert fit.plan_after is not None and fit.plan_after.peak_bytes <= budget
     fit.remove()
+
+
+def _t5() -> torch.nn.Module:
+    import transformers as tf
+
+    torch.manual_seed(0)
+    cfg = tf.T5Config(
+        vocab_size=VOCAB,
+        d_model=32,
+        d_kv=8,
+        d_ff=64,
+        num_layers=3,
+        num_decoder_layers=3,
+        num_heads=4,
+        relative_attention_num_buckets=8,
+        decoder_start_token_id=0,
+        use_cache=False,  # as HF's own checkpointing runs it (ts.fit's blocks get no cache)
+    )
+    return tf.T5ForConditionalGeneration(cfg).train()
+
+
+def _t5_batches() -> Iterator[dict[str, torch.Tensor]]:
+    g = torch.Generator().manual_seed(3)
+    while True:
+        ids = torch.randint(1, VOCAB, (BATCH, 128), generator=g)
+        yield {"input_ids": ids, "labels": torch.randint(1, VOCAB, (BATCH, 128), generator=g)}
+
+
+@pytest.mark.parametrize("fraction", [1.0, 0.8])
+@pytest.mark.parametrize("chain", ["encoder.block", "decoder.block"])
+def test_t5_either_block_chain_trains_like_plain(chain: str, fraction: float) -> None:
+    # the decoder's blocks all read encoder_hidden_states (cross-attention): its gradient is
+    # accumulated across blocks in plain autograd's order (blockrun.py NOTE [context gradients
+    # in plain autograd's order]), so the encoder's weights are bit-identical too
+    probe = _t5()
+    with ts.record() as rec:
+        step(probe, optimizer("adamw", probe), next(_t5_batches()))
+    model = _t5()
+    ref = twin(model)
+    opt, ref_opt = optimizer("adamw", model), optimizer("adamw", ref)
+    fit = ts.fit(model, opt, budget=int(rec.plan().peak_bytes * fraction), blocks=chain)
+    try:
+        data, ref_data = _t5_batches(), _t5_batches()
+        for k in range(STEPS):
+            loss = step(model, opt, next(data), seed=k)
+            assert loss == step(ref, ref_opt, next(ref_data), seed=k)
+            assert differing(model, ref) == [], f"step {k + 1}"
+        assert fit.decision is not None
+        if fraction < 1:
+            assert "recompute" in fit.decision.blocks
+    finally:
+        fit.remove()
