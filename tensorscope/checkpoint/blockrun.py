@@ -28,7 +28,7 @@ from tensorscope.checkpoint.executor import (
     rerun_guard,
 )
 
-__all__ = ["BlockFunction", "BlockPlan", "BlockRun", "Probe"]
+__all__ = ["BlockFunction", "BlockPlan", "BlockRun", "Placer", "Probe"]
 
 _PREFIX = "tensorscope.checkpoint:"
 
@@ -61,6 +61,17 @@ _PREFIX = "tensorscope.checkpoint:"
 # back), the block's context tensors, parameters or buffers. When autograd reaches Function k,
 # groups k and k-1 are read back on the offloader's reader thread: k-1's read overlaps B(k).
 # Recomputations in the backward are not offloaded (what they save is used at once).
+
+
+# NOTE [placed parameters]
+# With a placer (ts.fit, fit/paramplace.py), block k's parameters are mapped in before each of
+# its forward ops and dropped after those of the model's forward and after a recomputation of
+# another block than the one whose B comes next; before B(k) they are mapped in for writing
+# (the update inside backward follows B(k)), and dropped when autograd reaches the next block
+# (block k's updates run as soon as its gradients are accumulated, before Function k-1), or,
+# for block 0, when the whole backward has finished (an engine callback). A block's parameters
+# that are dropped early are only read back by a page fault: the schedule costs time, never a
+# value.
 
 
 # NOTE [context gradients in plain autograd's order]
@@ -97,6 +108,17 @@ class Offloader(Protocol):
 
     def prefetch(self, group: int) -> None:
         """Start reading ``group``'s saved tensors back."""
+
+
+class Placer(Protocol):
+    """Where the blocks' parameters are between their uses (``fit.paramplace.ParamPlacer``;
+    NOTE [placed parameters])."""
+
+    def use(self, k: int, write: bool = False) -> None:
+        """Block ``k``'s parameters are about to be used (``write``: and updated)."""
+
+    def done(self, k: int) -> None:
+        """Block ``k``'s parameters are not needed until its next use."""
 
 
 class BlockPlan:
@@ -151,8 +173,10 @@ class BlockRun:
         *,
         on_done: Callable[[BlockRun], None] | None = None,
         offloader: Offloader | None = None,
+        placer: Placer | None = None,
     ) -> None:
         self.plan = plan
+        self.placer = placer
         self.probe = probe
         self.on_done = on_done
         self.offloader = offloader if plan.offload else None
@@ -224,6 +248,16 @@ class BlockRun:
     def forward_op(self, kind: str, k: int, *, in_forward: bool = False) -> BlockOutput:
         """Run block ``k`` as op ``kind`` (``Fn``, ``Fck`` or ``Fe``); return what it returned.
         ``in_forward``: the model's forward (not a recomputation in the backward)."""
+        if self.placer is not None:  # NOTE [placed parameters]
+            self.placer.use(k)
+            try:
+                return self._forward_op(kind, k, in_forward)
+            finally:
+                if in_forward:
+                    self.placer.done(k)
+        return self._forward_op(kind, k, in_forward)
+
+    def _forward_op(self, kind: str, k: int, in_forward: bool) -> BlockOutput:
         src, call, fn = self._input(k), self.calls[k], self.plan.forwards[k]
         with self._rerun_guard(k), self._window(kind, k) as seen:
             if kind == "Fe":
@@ -282,6 +316,9 @@ class BlockRun:
             for group in (k, k - 1):
                 if group in self.plan.offload:
                     self.offloader.prefetch(group)
+        placer = self.placer
+        if placer is not None:  # NOTE [placed parameters]: block k+1's updates are done
+            placer.done(k + 1)
         ops = self.plan.backward_ops
         while self.cursor < len(ops) and ops[self.cursor] != ("B", k):
             op = ops[self.cursor]
@@ -292,8 +329,14 @@ class BlockRun:
                 )
             with _autocast(self.device.type, self.autocast):  # recomputations only
                 self.forward_op(op[0], op[1])  # type: ignore[misc]
+            if placer is not None and op[1] != k:  # type: ignore[misc]
+                placer.done(op[1])  # type: ignore[misc]
             self.cursor += 1
         self.cursor += 1
+        if placer is not None:
+            placer.use(k, write=True)
+            if k == 0:  # its updates follow this Function: drop it when backward has finished
+                torch.autograd.Variable._execution_engine.queue_callback(lambda: placer.done(0))
         return self._backward_op(k, grads)
 
     def _backward_op(

@@ -19,7 +19,13 @@ from typing_extensions import Self
 
 from tensorscope._units import format_bytes, parse_bytes
 from tensorscope.checkpoint.blockprobe import BlockProbe, every_block_ops, retimed
-from tensorscope.checkpoint.blockrun import BlockFunction, BlockPlan, BlockRun, Offloader
+from tensorscope.checkpoint.blockrun import (
+    BlockFunction,
+    BlockPlan,
+    BlockRun,
+    Offloader,
+    Placer,
+)
 from tensorscope.checkpoint.calls import drop_caches, split_call, storage_key
 from tensorscope.checkpoint.chain import Chain, Schedule
 from tensorscope.checkpoint.explain import explain
@@ -108,6 +114,7 @@ class CheckpointedChain:
         self.offloader: Offloader | None = None
         self.offload_model: OffloadModel | None = None
         self.offloaded: tuple[int, ...] = ()
+        self.placer: Placer | None = None  # where the blocks' parameters are between uses
         self._saved: list[tuple[nn.Module, object]] = []
         self._forwards: list[Callable[..., Any]] = []
         for k, block in enumerate(self.blocks):
@@ -225,8 +232,10 @@ class CheckpointedChain:
         fits = m is not None and (x.device, x.dtype) == m[:2] and x.nbytes <= m[2]
         if self._plan is not None and fits:
             if self._retimed:
-                return BlockRun(self._plan, offloader=self.offloader)
-            run = BlockRun(self._plan, on_done=self._retime, offloader=self.offloader)
+                return BlockRun(self._plan, offloader=self.offloader, placer=self.placer)
+            run = BlockRun(
+                self._plan, on_done=self._retime, offloader=self.offloader, placer=self.placer
+            )
             run.synchronize = True
             return run
         n = len(self.blocks)
@@ -234,7 +243,12 @@ class CheckpointedChain:
         self._context = {}
         measured = (x.device, x.dtype, x.nbytes, tuple(x.shape))
         probe = BlockProbe(n, x.device)
-        return BlockRun(plan, probe, on_done=lambda run: self._finish_measure(run, measured))
+        return BlockRun(
+            plan,
+            probe,
+            on_done=lambda run: self._finish_measure(run, measured),
+            placer=self.placer,
+        )
 
     def _count_context(self, tensors: Sequence[torch.Tensor], run: BlockRun) -> None:
         skip = storage_key(run.plain[0]) if 0 in run.plain else None

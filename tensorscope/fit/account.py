@@ -9,7 +9,7 @@ recorded step (``ts.record``, ``MemoryPlan``). See NOTE [the step around the cha
 from __future__ import annotations
 
 import bisect
-from collections.abc import Collection, Sequence
+from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -20,7 +20,7 @@ from tensorscope.plan.whatif import Interval, Position, _free_gradients, _Interv
 if TYPE_CHECKING:
     from tensorscope.plan.model import MemoryPlan
 
-__all__ = ["StepBase", "chain_backward_peak", "chain_ops", "step_base"]
+__all__ = ["StepBase", "chain_backward_peak", "chain_ops", "placed_peak", "step_base"]
 
 # NOTE [the step around the chain]
 # rotor's chain accounts for what the chain allocates: its input, activations, saved tensors,
@@ -50,6 +50,10 @@ __all__ = ["StepBase", "chain_backward_peak", "chain_ops", "step_base"]
 # in the next tier, the store runs `optimizer.step()` one parameter at a time (``stepwise``,
 # statestore.py NOTE [a kept-gradient step one parameter at a time]): from the step's first op
 # on, one parameter's state is resident -- the largest, or one row block of a split one.
+# With the chain's parameters placed in files between their uses (fit/paramplace.py, NOTE
+# [parameters between their uses]), those parameters count nowhere but under the chain, where
+# one block's (the largest) is mapped at a time: ``placed_window`` bytes over the chain's
+# forward and backward.
 
 _ACTIVATION_LIKE = ("activation", "temporary", "other")
 
@@ -69,6 +73,7 @@ class StepBase:
             plus the optimizer state's transfers when it is offloaded.
         state_offloaded: whether the optimizer state is in the next tier between updates.
         offloaded_bytes: bytes of optimizer state moved out and back each step.
+        placed_bytes: bytes of the chain's parameters in files between their uses (0: none).
     """
 
     free_gradients: bool
@@ -81,6 +86,7 @@ class StepBase:
     seconds: float
     state_offloaded: bool = False
     offloaded_bytes: int = 0
+    placed_bytes: int = 0
 
     @property
     def loss_tmp(self) -> int:
@@ -131,13 +137,48 @@ def chain_ops(plan: MemoryPlan, paths: Collection[str]) -> tuple[range, range] |
     return forward, range(bw[0], stop)
 
 
+def _held(plan: MemoryPlan, ops: Iterable[int], log: Sequence[tuple[float, int]]) -> list[Interval]:
+    """Per op of ``ops``, the most bytes ``log`` says were held while it ran: ``log`` is
+    ``(seconds since the recording began, bytes)`` at each change."""
+    times = [op.seconds for op in plan.ops] + [plan.seconds]
+    stamps = [t for t, _ in log]
+    out: list[Interval] = []
+    for i in ops:
+        start, stop = times[i], times[i + 1]
+        before = bisect.bisect_right(stamps, start) - 1
+        held = [log[before][1]] if before >= 0 else []
+        held += [b for t, b in log[before + 1 : bisect.bisect_right(stamps, stop)]]
+        most = max(held, default=0)
+        if most:
+            out.append(((i, -2, 0), (i + 1, -2, 0), most, 0))
+    return out
+
+
+def _without(plan: MemoryPlan, placed: Collection[str]) -> list[Interval]:
+    """The plan's intervals but those of the parameters named in ``placed``."""
+    state = _Intervals(plan)
+    names = frozenset(placed)
+    out = list(state.extra)
+    for index, parts in state.parts.items():
+        life = plan.lifetimes[index]
+        if not (life.category == "parameter" and life.name in names):
+            out.extend(parts)
+    return out
+
+
 def chain_backward_peak(
-    plan: MemoryPlan, paths: Collection[str], ahead: Sequence[tuple[float, int]] = ()
+    plan: MemoryPlan,
+    paths: Collection[str],
+    ahead: Sequence[tuple[float, int]] = (),
+    *,
+    placed: Collection[str] = (),
+    held: Sequence[tuple[float, int]] = (),
 ) -> int:
     """The most bytes the recorded step held while its chain's backward ran, with ``ahead``
     added op by op: ``(seconds since the recording began, bytes)`` at each change of what an
     offloader held read back ahead of use (the recording sees such bytes only from their use;
-    each op counts the most held while it ran). The plan's peak when no chain op is found.
+    each op counts the most held while it ran); the parameters named in ``placed`` counted as
+    ``held`` says instead (see :func:`placed_peak`). The plan's peak when no chain op is found.
 
     Example:
         >>> from tensorscope.plan.model import Lifetime, MemoryPlan, OpInfo
@@ -153,18 +194,36 @@ def chain_backward_peak(
     if ranges is None:
         return plan.peak_bytes
     backward = ranges[1]
-    intervals = _Intervals(plan).all()
-    times = [op.seconds for op in plan.ops] + [plan.seconds]
-    stamps = [t for t, _ in ahead]
-    for i in backward:
-        start, stop = times[i], times[i + 1]
-        before = bisect.bisect_right(stamps, start) - 1
-        held = [ahead[before][1]] if before >= 0 else []
-        held += [b for t, b in ahead[before + 1 : bisect.bisect_right(stamps, stop)]]
-        most = max(held, default=0)
-        if most:
-            intervals.append(((i, -2, 0), (i + 1, -2, 0), most, 0))
+    intervals = _without(plan, placed) if placed else _Intervals(plan).all()
+    intervals += _held(plan, backward, ahead)
+    if placed:
+        intervals += _held(plan, backward, held)
     return _peak(intervals, [(backward.start, backward.stop)])
+
+
+def placed_peak(
+    plan: MemoryPlan, placed: Collection[str], held: Sequence[tuple[float, int]]
+) -> int:
+    """The recorded step's peak with the parameters named in ``placed`` (in files between
+    their uses: the recording counts their storages whole) counted as what ``held`` says was
+    mapped in, op by op (``(seconds since the recording began, bytes)`` at each change).
+
+    Example:
+        >>> from tensorscope.plan.model import Lifetime, MemoryPlan, OpInfo
+        >>> ops = [OpInfo("mm", float(i), "", "h.0", "forward") for i in range(2)]
+        >>> life = lambda i, cat, n, c, f, name: Lifetime(i, cat, n, c, c, f, "", (), "f32",
+        ...                                                "cpu", name)
+        >>> lives = [life(0, "parameter", 100, -1, None, "h.0.w"), life(1, "activation", 10,
+        ...          0, None, "")]
+        >>> plan = MemoryPlan(110, 0, "", "forward", {}, None, [], lives, ops, [], [], [],
+        ...                   "cpu", 2.0)
+        >>> placed_peak(plan, ["h.0.w"], [(0.0, 0), (1.5, 100), (1.8, 0)])
+        110
+        >>> placed_peak(plan, ["h.0.w"], [(0.0, 0)])
+        10
+    """
+    intervals = _without(plan, placed) + _held(plan, range(len(plan.ops)), held)
+    return _peak(intervals, [(0, len(plan.ops))])
 
 
 def _clip(intervals: list[Interval], first: int, stop: int) -> list[Interval]:
@@ -194,13 +253,17 @@ def step_base(
     offload_state: bool = False,
     state_block: int = 0,
     stepwise: bool = False,
+    placed: Collection[str] = (),
+    placed_window: int = 0,
 ) -> StepBase:
     """The step's memory outside the chain whose blocks ran as ``paths`` (none: no chain);
     ``offload_state``: the optimizer state is in the next tier between updates (NOTE [the step
     around the chain]); ``state_block`` (with both): a parameter whose state is split in row
     blocks of that many bytes (fit/rows.py) is updated one block at a time, so its state and its
     update's temporaries count one block each; ``stepwise`` (with ``offload_state``, gradients
-    kept): the step updates one parameter at a time, so one parameter's state counts.
+    kept): the step updates one parameter at a time, so one parameter's state counts;
+    ``placed``: names of parameters in files between their uses, of which ``placed_window``
+    bytes are in memory while the chain runs (NOTE [the step around the chain]).
 
     Example:
         >>> from tensorscope.plan.model import Lifetime, MemoryPlan, OpInfo
@@ -256,8 +319,13 @@ def step_base(
     in_rows = _updated_in_rows(plan, state_block) if one_at_a_time else set()
     each: dict[int, int] = {}  # stepwise: a parameter's state bytes (row-capped)
     each_end: Position = step_start
+    placed_names = frozenset(placed)
+    placed_bytes = 0
     for index, parts in state.parts.items():
         life = plan.lifetimes[index]
+        if life.category == "parameter" and life.name in placed_names:
+            placed_bytes += life.nbytes
+            continue
         if life.owner in in_rows and life.category in ("optimizer_state", "temporary"):
             held = block_bytes(life.shape, life.nbytes, state_block)
             parts = [(a, b, min(c, held), d) for a, b, c, d in parts]
@@ -282,6 +350,12 @@ def step_base(
             parts = [(first, parts[-1][1], life.nbytes, rank[life.category])]
         intervals.extend(parts)
     intervals.extend(state.extra)
+    if placed_bytes and ranges is not None:
+        for span in ranges:
+            if len(span):
+                first_op: Position = (span.start, -2, 0)
+                after_op: Position = (span.stop, -2, 0)
+                intervals.append((first_op, after_op, placed_window, rank["parameter"]))
     if each:  # one parameter's state at a time, from the step's first op
         intervals.append((step_start, each_end, max(each.values()), rank["optimizer_state"]))
     for category in largest:
@@ -310,4 +384,5 @@ def step_base(
         seconds=max(0.0, plan.seconds - chain_s),
         state_offloaded=offload_state,
         offloaded_bytes=offloaded,
+        placed_bytes=placed_bytes,
     )

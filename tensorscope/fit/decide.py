@@ -282,6 +282,8 @@ def _why(candidates: Sequence[Candidate]) -> str:
     grads = "freed at their update" if base.free_gradients else "kept until the optimizer step"
     if base.state_offloaded:
         grads += " and the optimizer state offloaded between updates"
+    if base.placed_bytes:
+        grads += ", the chain's parameters in files between their uses"
     return (
         f" (with gradients {grads}: model state and what the step holds outside the block "
         f"chain need {format_bytes(max(base.outside, base.under_chain))}, "

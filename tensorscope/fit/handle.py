@@ -31,14 +31,16 @@ from tensorscope.errors import (
     FitWarning,
     InvalidArgumentError,
     PlanError,
+    ResidencyError,
     ScheduleError,
 )
-from tensorscope.fit.account import StepBase, chain_backward_peak, step_base
+from tensorscope.fit.account import StepBase, chain_backward_peak, placed_peak, step_base
 from tensorscope.fit.decide import Decision, decide
 from tensorscope.fit.inbackward import InBackward, parameters_of, unknown_optimizer
 from tensorscope.fit.loss import LossMode
 from tensorscope.fit.offload import ActivationOffloader
 from tensorscope.fit.offload_rules import Bandwidth
+from tensorscope.fit.paramplace import ParamPlacer, measure_mapping, placeable
 from tensorscope.fit.report import Facts, explain
 from tensorscope.fit.rows import ROW_BLOCK_BYTES
 from tensorscope.fit.statestore import (
@@ -183,8 +185,11 @@ class Fit:
         self._offload_tier: str | None = None
         self._offload_off = ""  # why offload was taken out of the choices (a failed write)
         self._offload_read_ahead = 0
-        self._bw_peak = 0  # the recorded step's peak during the chain's backward (+ read-ahead)
         self._recorded_at = 0.0
+        self._placer: ParamPlacer | None = None  # NOTE [parameters between their uses]
+        self._place_off = ""  # why the chain's parameters stay in memory (a failed write)
+        self._map_rate: float | None = None
+        self._corrected_peak: int | None = None  # plan_after's peak, read-ahead and placement
         self._handles: list[Any] = []
         self._grad_hooks: list[Any] = []
         plan_hooks.install()  # NOTE [the step boundary]: before any recording opens in a hook
@@ -260,6 +265,8 @@ class Fit:
             if self._offloader is not None:
                 self._offloader.reset_peak()
                 self._offloader.log_read_ahead(True)  # the recorded step's
+            if self._placer is not None:
+                self._placer.log = [(time.perf_counter(), self._placer.resident)]
             self._recorded_at = time.perf_counter()  # the recording's clock starts now
             self._open("after")
 
@@ -313,12 +320,23 @@ class Fit:
             self._decide_now()
         elif kind == "after" and plan is not None:
             self.plan_after = plan
+            placed = self._placed_names()
+            held: list[tuple[float, int]] = []
+            if placed and self._placer is not None:
+                held = [(t - self._recorded_at, b) for t, b in self._placer.log]
+                self._corrected_peak = placed_peak(plan, placed, held)
             offloading = self._offloader is not None and bool(self.chain and self.chain.offloaded)
             if offloading and self._offloader is not None:
                 stats = self._offloader.stats()
                 self._offload_read_ahead = stats.peak_read_ahead_bytes
                 log = [(t - self._recorded_at, b) for t, b in self._offloader.log_read_ahead(False)]
-                self._bw_peak = chain_backward_peak(plan, self._chain_paths(plan), log)
+                backward = chain_backward_peak(
+                    plan, self._chain_paths(plan), log, placed=placed, held=held
+                )
+                whole = self._corrected_peak
+                self._corrected_peak = max(
+                    whole if whole is not None else plan.peak_bytes, backward
+                )
                 if stats.write_errors and self.plan_before is not None:
                     self._offload_off = (
                         f"writing activations to the {stats.tier} tier failed: {stats.last_error}"
@@ -368,28 +386,83 @@ class Fit:
             )
         return reasons
 
-    def _bases(self, plan: MemoryPlan, free_gradients: bool) -> list[StepBase]:
+    def _bases(
+        self, plan: MemoryPlan, free_gradients: bool, placed: bool = False
+    ) -> list[StepBase]:
+        """The ways of running the step outside the chain; ``placed``: those with the chain's
+        parameters in files between their uses (gradients freed at their update only: a
+        whole optimizer step would map every parameter in at once)."""
         paths = self._chain_paths(plan)
-        bases = [step_base(plan, paths, free_gradients=False)]
+        where: dict[str, Any] = {}
+        extra_s = 0.0
+        if placed:
+            names, window, nbytes = self._placeable(plan)
+            where = {"placed": names, "placed_window": window}
+            extra_s = 3 * nbytes / self._mapping_rate()  # forward, recomputation, backward
+        bases = [] if placed else [step_base(plan, paths, free_gradients=False)]
         if free_gradients:
-            bases.append(step_base(plan, paths, free_gradients=True))
+            bases.append(step_base(plan, paths, free_gradients=True, **where))
         one, tensors = per_parameter_state_bytes(self.optimizer)
-        if not one or self._managed():  # ts.manage places the state itself: never both
-            return bases
-        block = ROW_BLOCK_BYTES if self._row_safe() else 0
-        for base in list(bases):
-            moved = step_base(
-                plan,
-                paths,
-                free_gradients=base.free_gradients,
-                offload_state=True,
-                state_block=block,
-                stepwise=self._stepwise_ok(),
-            )
-            if moved.offloaded_bytes:
-                seconds = self._state_bandwidth().seconds(moved.offloaded_bytes, tensors)
-                bases.append(dataclasses.replace(moved, seconds=moved.seconds + seconds))
+        if one and not self._managed():  # ts.manage places the state itself: never both
+            block = ROW_BLOCK_BYTES if self._row_safe() else 0
+            for base in list(bases):
+                moved = step_base(
+                    plan,
+                    paths,
+                    free_gradients=base.free_gradients,
+                    offload_state=True,
+                    state_block=block,
+                    stepwise=self._stepwise_ok(),
+                    **(where if base.free_gradients else {}),
+                )
+                if moved.offloaded_bytes:
+                    seconds = self._state_bandwidth().seconds(moved.offloaded_bytes, tensors)
+                    bases.append(dataclasses.replace(moved, seconds=moved.seconds + seconds))
+        if extra_s:
+            bases = [
+                dataclasses.replace(b, seconds=b.seconds + extra_s) if b.placed_bytes else b
+                for b in bases
+            ]
         return bases
+
+    def _placeable(self, plan: MemoryPlan) -> tuple[tuple[str, ...], int, int]:
+        """Names of the chain's parameters that can be placed in files, the largest block's
+        bytes of them (mapped in at a time) and their total bytes."""
+        chain = self.chain
+        if chain is None:  # pragma: no cover - callers check
+            return (), 0, 0
+        names = {id(p): name for name, p in self.model.named_parameters()}
+        per_block = placeable(self.model, chain.blocks)
+        known = {life.name for life in plan.lifetimes if life.category == "parameter"}
+        chosen = [[p for p in ps if names.get(id(p)) in known] for ps in per_block]
+        sizes = [sum(p.untyped_storage().nbytes() for p in ps) for ps in chosen]
+        return (
+            tuple(names[id(p)] for ps in chosen for p in ps),
+            max(sizes, default=0),
+            sum(sizes),
+        )
+
+    def _can_place(self, free_gradients: bool) -> bool:
+        chain = self.chain
+        if not (
+            free_gradients
+            and not self._place_off
+            and not self._managed()
+            and chain is not None
+            and chain.profile is not None
+            and any(placeable(self.model, chain.blocks))
+        ):
+            return False
+        if self._map_rate is None:
+            try:
+                self._map_rate = measure_mapping()
+            except ResidencyError as exc:  # the disk tier cannot be written (a full disk)
+                self._place_off = f"the disk tier cannot be written: {exc}"
+                return False
+        return True
+
+    def _mapping_rate(self) -> float:
+        return self._map_rate if self._map_rate is not None else measure_mapping()
 
     def _stepwise_ok(self) -> bool:
         """Whether a kept-gradient step can run one parameter at a time (statestore.py NOTE
@@ -475,16 +548,26 @@ class Fit:
         measured = chain is not None and chain.profile is not None and self._chain_paths(plan)
         budget = self.budget_bytes - self._slack
         offload = self._offload_model() if measured else None
-        try:
-            decision = decide(
+
+        def decide_with(bases: list[StepBase]) -> Decision:
+            return decide(
                 budget,
-                self._bases(plan, free_gradients),
+                bases,
                 chain.profile.to_chain() if measured and chain and chain.profile else None,
                 reserve=chain.reserved_nbytes if measured and chain else 0,
                 slots=chain.slots if chain is not None else 500,
                 what=f"a training step of {type(self.model).__name__}",
                 offload=offload,
             )
+
+        try:
+            try:
+                decision = decide_with(self._bases(plan, free_gradients))
+            except ScheduleError:
+                # NOTE [parameters between their uses]: only when nothing fits without
+                if not (measured and self._can_place(free_gradients)):
+                    raise
+                decision = decide_with(self._bases(plan, free_gradients, placed=True))
             if measured and chain is not None:
                 chain.loss_tmp_nbytes = decision.chosen.base.loss_tmp
                 blocks = decision.chosen.offloaded
@@ -494,6 +577,9 @@ class Fit:
             self._error, self._state = exc, "failed"
             raise
         self.decision = decision
+        if not self._place(decision.chosen.base.placed_bytes > 0):
+            self._apply(plan, free_gradients)  # a write failed: decided again without placing
+            return
         # NOTE [updates in row blocks] (statestore.py)
         offloaded = decision.chosen.base.state_offloaded
         stepwise = offloaded and not decision.free_gradients and self._stepwise_ok()
@@ -515,9 +601,40 @@ class Fit:
             self._inb.in_rows = self._states.update_in_rows if in_rows and self._states else None
         self._state = "run"
         self._offload_read_ahead = 0
+        self._corrected_peak = None
         self._after_at = self.steps + 1  # step +1 re-times the chain; the next is recorded
         self.plan_after = None
         self._times = []
+
+    def _place(self, on: bool) -> bool:
+        """Put the chain's parameters in files (``on``) or back in memory; False when a write
+        failed (those parameters stayed in memory: FitWarning, placing is then off)."""
+        chain = self.chain
+        placer = self._placer
+        if not on or chain is None:
+            if placer is not None and placer.placed:
+                placer.restore()
+            if chain is not None:
+                chain.placer = None
+            return True
+        if placer is None:
+            placer = self._placer = ParamPlacer(placeable(self.model, chain.blocks))
+        placer.place()
+        if placer.kept:
+            self._place_off = f"writing parameters to the disk tier failed: {placer.kept[0]}"
+            placer.restore()
+            chain.placer = None
+            return False
+        chain.placer = placer
+        return True
+
+    def _placed_names(self) -> tuple[str, ...]:
+        """Names of the parameters in files now (none when not placed)."""
+        placer = self._placer
+        if placer is None or not placer.placed:
+            return ()
+        ids = {id(p) for ps in placer.blocks for p in ps}
+        return tuple(name for name, p in self.model.named_parameters() if id(p) in ids)
 
     def _predicted_peak(self) -> int:
         return self.decision.chosen.predicted_peak if self.decision is not None else 0
@@ -547,12 +664,14 @@ class Fit:
             self._apply(self.plan_before, self._inb is not None)
 
     def measured_peak(self, plan: MemoryPlan) -> int:
-        """``plan``'s peak, or where blocks are offloaded, at least the chain's backward peak
-        with what the offloader held read back ahead of use added op by op (the recording sees
-        a read-back tensor from its use on; reads happen only in the chain's backward)."""
-        if not self._offload_read_ahead:
-            return plan.peak_bytes
-        return max(plan.peak_bytes, self._bw_peak)
+        """``plan``'s peak; for ``plan_after``, with what the recording does not see as it was:
+        where blocks are offloaded, at least the chain's backward peak with what the offloader
+        held read back ahead of use added op by op (the recording sees a read-back tensor from
+        its use on; reads happen only in the chain's backward); where the chain's parameters
+        are in files, those counted as mapped in op by op instead of whole."""
+        if plan is self.plan_after and self._corrected_peak is not None:
+            return self._corrected_peak
+        return plan.peak_bytes
 
     # -- public --------------------------------------------------------------------------------
 
@@ -621,6 +740,13 @@ class Fit:
         if self._managed():
             return "managed by ts.manage: the residency manager's tiers under its own budget"
         base = self.decision.chosen.base if self.decision is not None else None
+        placed = ""
+        if base is not None and base.placed_bytes and self._placer is not None:
+            placed = (
+                f"; the chain's parameters ({format_bytes(self._placer.placed_nbytes)}) in the "
+                f"disk tier's files between their uses, one block's mapped in at a time "
+                f"(NOTE [parameters between their uses])"
+            )
         if base is not None and base.state_offloaded and self._states is not None:
             when = "read back for optimizer.step()"
             if base.free_gradients or self._states.stepwise:
@@ -636,10 +762,13 @@ class Fit:
                         f"at a time ({self._states.block_updates} such updates so far)"
                     )
             return (
-                f"parameters and gradients resident on the device; optimizer state in the "
+                f"{'other ' if placed else ''}parameters and gradients resident on the device; "
+                f"optimizer state in the "
                 f"{self._states.tier} tier between updates ({when}; "
-                f"{format_bytes(base.offloaded_bytes)} written and read each step)"
+                f"{format_bytes(base.offloaded_bytes)} written and read each step)" + placed
             )
+        if placed:
+            return "other parameters, gradients and optimizer state resident on the device" + placed
         return "resident on the device (parameters not moved: see docs/fit.md, model state)"
 
     def remove(self) -> None:
@@ -665,6 +794,8 @@ class Fit:
             self._states.close()
         if self.chain is not None:
             self.chain.remove()
+        if self._placer is not None:  # the parameters back in memory, their current values
+            self._placer.restore()
         if self._offloader is not None:  # graphs still alive keep reading their tensors
             self._offloader.close()
         while self._handles:

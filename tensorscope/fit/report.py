@@ -149,6 +149,8 @@ def explain(f: Facts) -> str:
         grads = "freed at update" if c.base.free_gradients else "kept"
         if c.base.state_offloaded:
             grads += f", optimizer state offloaded ({format_bytes(c.base.offloaded_bytes)})"
+        if c.base.placed_bytes:
+            grads += f", the chain's parameters in files ({format_bytes(c.base.placed_bytes)})"
         fits = (
             f"predicted peak {format_bytes(c.predicted_peak)}, {c.predicted_s:.3f} s"
             if c.fits
@@ -166,7 +168,12 @@ def explain(f: Facts) -> str:
     )
     if f.plan_after is not None:
         measured = f"  measured: peak {format_bytes(f.plan_after.peak_bytes)} (a recorded step)"
-        if chosen.offloaded:
+        if chosen.base.placed_bytes:
+            measured += (
+                f"; with the chain's parameters counted as mapped in (the recording counts "
+                f"their storages whole): {format_bytes(f.measured_peak)}"
+            )
+        elif chosen.offloaded:
             measured += (
                 f"; with what the offloader read back ahead of use during the chain's backward "
                 f"(at most {format_bytes(f.offload_read_ahead)}, seen by the recording only "

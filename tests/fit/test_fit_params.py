@@ -1,0 +1,175 @@
+"""ts.fit with the chain's parameters in the disk tier's files between their uses (NOTE
+[parameters between their uses]): chosen only when nothing fits with them in memory; training
+bit-identical to plain; the measured peak within the budget; every access between steps reads
+the right values; remove() gives ordinary memory back; a failed write loses nothing."""
+
+from __future__ import annotations
+
+import copy
+import warnings
+from typing import Any
+
+import pytest
+import torch
+
+import tensorscope as ts
+from tensorscope.errors import FitWarning, ResidencyError, ScheduleError
+from tensorscope.fit import handle, paramplace
+
+from .fit_helpers import differing
+
+VOCAB, BATCH, SEQ = 256, 4, 64
+
+
+def _gpt2() -> Any:
+    import transformers as tf
+
+    torch.manual_seed(0)
+    cfg = tf.GPT2Config(
+        n_layer=4, n_embd=128, n_head=4, vocab_size=VOCAB, n_positions=SEQ, use_cache=False
+    )
+    return tf.GPT2LMHeadModel(cfg).train()
+
+
+def _data(n: int) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(1)
+    return [torch.randint(0, VOCAB, (BATCH, SEQ), generator=g) for _ in range(n)]
+
+
+def _step(model: Any, opt: torch.optim.Optimizer, ids: torch.Tensor, k: int) -> float:
+    torch.manual_seed(k)
+    loss = model(input_ids=ids, labels=ids).loss
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+    return float(loss.item())
+
+
+def _least(monkeypatch: pytest.MonkeyPatch | None) -> int:
+    """The smallest budget ts.fit reaches (with placing allowed, or not: ``monkeypatch``)."""
+    model = _gpt2()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    fit = ts.fit(model, opt, budget=1 << 20)
+    try:
+        if monkeypatch is not None:
+            monkeypatch.setattr(handle.Fit, "_can_place", lambda self, free: False)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", FitWarning)
+            with pytest.raises(ScheduleError) as info:
+                _step(model, opt, _data(1)[0], 0)
+    finally:
+        fit.remove()
+        monkeypatch is not None and monkeypatch.undo()
+    assert fit.decision is None
+    text = str(info.value)
+    return int(text.split("the smallest budget that fits is ")[1].split("(")[1].split(" ")[0])
+
+
+@pytest.fixture(scope="module")
+def budgets() -> tuple[int, int]:
+    with pytest.MonkeyPatch.context() as mp:
+        unplaced = _least(mp)
+    return _least(None), unplaced
+
+
+def test_parameters_are_placed_only_when_nothing_fits_without(budgets: tuple[int, int]) -> None:
+    placed_least, unplaced_least = budgets
+    assert placed_least < unplaced_least  # the chain's parameters were part of the floor
+    model = _gpt2()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    fit = ts.fit(model, opt, budget=unplaced_least)
+    try:
+        for k, ids in enumerate(_data(4)):
+            _step(model, opt, ids, k)
+        assert fit.decision is not None
+        assert fit.decision.chosen.base.placed_bytes == 0
+        assert fit._placer is None
+    finally:
+        fit.remove()
+
+
+def test_placed_parameters_train_like_plain_within_the_budget(budgets: tuple[int, int]) -> None:
+    placed_least, unplaced_least = budgets
+    budget = (placed_least + unplaced_least) // 2
+    model = _gpt2()
+    ref = copy.deepcopy(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3)
+    fit = ts.fit(model, opt, budget=budget)
+    try:
+        for k, ids in enumerate(_data(5)):
+            assert _step(model, opt, ids, k) == _step(ref, ref_opt, ids, k)
+            assert differing(model, ref) == [], f"step {k + 1}"
+            # between steps, every parameter reads its value (mapped from the file)
+            total = sum(float(p.detach().double().sum()) for p in model.parameters())
+            assert total == sum(float(p.detach().double().sum()) for p in ref.parameters())
+        assert fit.decision is not None and fit.decision.free_gradients
+        chosen = fit.decision.chosen
+        assert chosen.base.placed_bytes > 0 and chosen.predicted_peak <= budget
+        placer = fit._placer
+        assert placer is not None and placer.placed and placer.resident == 0
+        nbytes = sum(sum(p.untyped_storage().nbytes() for p in ps) for ps in placer.blocks)
+        assert placer.placed_nbytes == nbytes > 0
+        # one block's parameters at a time, and the peak counts them as mapped in
+        assert max(b for _, b in placer.log) <= max(placer.block_nbytes)
+        assert fit.plan_after is not None
+        assert fit.measured_peak(fit.plan_after) <= budget
+        assert fit.measured_peak(fit.plan_after) < fit.plan_after.peak_bytes  # counted mapped
+        text = fit.explain()
+        assert "in the disk tier's files between their uses" in text
+        assert "with the chain's parameters counted as mapped in" in text
+        state = model.state_dict()
+        assert all(torch.equal(state[n], t) for n, t in ref.state_dict().items())
+    finally:
+        fit.remove()
+    assert fit._placer is not None and not fit._placer.placed
+    assert differing(model, ref) == []
+    ids = _data(6)[5]
+    assert _step(model, opt, ids, 9) == _step(ref, ref_opt, ids, 9)  # plain again, same bits
+    assert differing(model, ref) == []
+
+
+def test_inside_a_scope_under_the_python_path_too(budgets: tuple[int, int]) -> None:
+    placed_least, unplaced_least = budgets
+    model = _gpt2()
+    ref = copy.deepcopy(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3)
+    fit = ts.fit(model, opt, budget=(placed_least + unplaced_least) // 2)
+    try:
+        for k, ids in enumerate(_data(4)):
+            with ts.scope():
+                loss = _step(model, opt, ids, k)
+            assert loss == _step(ref, ref_opt, ids, k)
+        assert differing(model, ref) == []
+        assert fit.decision is not None and fit.decision.chosen.base.placed_bytes > 0
+    finally:
+        fit.remove()
+
+
+def test_a_failed_write_keeps_the_parameters(
+    budgets: tuple[int, int], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    placed_least, unplaced_least = budgets
+
+    class Full(paramplace.DiskTier):
+        def store(self, address: int, nbytes: int) -> Any:
+            raise ResidencyError("tensorscope.residency: no space left on device (a test)")
+
+    monkeypatch.setattr(handle, "measure_mapping", lambda: 1e9)  # measured before the disk fills
+    monkeypatch.setattr(paramplace, "DiskTier", Full)  # the placer's files only
+    model = _gpt2()
+    ref = copy.deepcopy(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3)
+    fit = ts.fit(model, opt, budget=(placed_least + unplaced_least) // 2)
+    try:
+        ids = _data(1)[0]
+        with pytest.warns(FitWarning, match="stays in memory"), pytest.raises(ScheduleError):
+            _step(model, opt, ids, 0)
+        _step(ref, ref_opt, ids, 0)
+        assert differing(model, ref) == []  # the step itself ran; nothing lost
+        assert "writing parameters to the disk tier failed" in fit._place_off
+    finally:
+        fit.remove()
+    assert differing(model, ref) == []
