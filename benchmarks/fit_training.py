@@ -36,7 +36,9 @@ then ``--steps`` timed steps: the median seconds per step and its ratio to plain
 ``--rounds N``, every variant runs N times in turn and ``step`` is the median of the N); ``peak
 RSS``: the process's resident memory sampled every 2 ms (psutil) during the timed steps, above
 its RSS before the model was built; ``tensors``: a recorded step's tensor peak (ts.record; for
-ts.fit, ``fit.plan_after``); the losses of every step, compared with plain's bit for bit.
+ts.fit, ``fit.measured_peak(fit.plan_after)``: the recorded step's peak with what an offloader
+held read back ahead of use added, and the chain's parameters, where they are in files, counted
+as mapped in); the losses of every step, compared with plain's bit for bit.
 ``--clip``: every variant clips the gradient norm before its optimizer step, as HF's Trainer
 does by default (gradients must then all exist at once: no optimizer-in-backward).
 
@@ -198,7 +200,7 @@ def _worker(cfg: dict[str, Any]) -> dict[str, Any]:
         else:
             step(batches[k], k)
     if fit is not None and fit.plan_after is not None:
-        tensors = fit.plan_after.peak_bytes
+        tensors = fit.measured_peak(fit.plan_after)
     sampler = common.PeakSampler()
     times = []
     for k in range(cfg["warmup"], cfg["warmup"] + cfg["steps"]):

@@ -69,7 +69,9 @@ _PREFIX = "tensorscope.checkpoint:"
 # another block than the one whose B comes next; before B(k) they are mapped in for writing
 # (the update inside backward follows B(k)), and dropped when autograd reaches the next block
 # (block k's updates run as soon as its gradients are accumulated, before Function k-1), or,
-# for block 0, when the whole backward has finished (an engine callback). A block's parameters
+# for block 0, when autograd reaches the chain's input (a hook on x_0: after block 0's updates,
+# before the embedding's backward), else when the whole backward has finished (an engine
+# callback). A block's parameters
 # that are dropped early are only read back by a page fault: the schedule costs time, never a
 # value.
 
@@ -290,6 +292,9 @@ class BlockRun:
         """Block ``k``'s call in the model's forward: its first op; the values the model gets."""
         if k == 0:
             self.plain[0] = x
+            placer = self.placer
+            if placer is not None and x.requires_grad:  # NOTE [placed parameters]
+                x.register_hook(lambda _: placer.done(0))  # type: ignore[no-untyped-call]
             self.input_nbytes = int(x.untyped_storage().nbytes())
             self.x_requires_grad = x.requires_grad
             self.device = x.device

@@ -169,9 +169,15 @@ def explain(f: Facts) -> str:
     if f.plan_after is not None:
         measured = f"  measured: peak {format_bytes(f.plan_after.peak_bytes)} (a recorded step)"
         if chosen.base.placed_bytes:
+            ahead = (
+                f" and what the offloader read back ahead of use (at most "
+                f"{format_bytes(f.offload_read_ahead)}) added"
+                if chosen.offloaded
+                else ""
+            )
             measured += (
                 f"; with the chain's parameters counted as mapped in (the recording counts "
-                f"their storages whole): {format_bytes(f.measured_peak)}"
+                f"their storages whole){ahead}: {format_bytes(f.measured_peak)}"
             )
         elif chosen.offloaded:
             measured += (

@@ -173,3 +173,30 @@ def test_a_failed_write_keeps_the_parameters(
     finally:
         fit.remove()
     assert differing(model, ref) == []
+
+
+def test_only_parameters_one_block_holds_alone_are_placed() -> None:
+    blocks = torch.nn.ModuleList(torch.nn.Linear(256, 256) for _ in range(3))
+    head = torch.nn.Linear(256, 256, bias=False)
+    head.weight = blocks[1].weight  # tied: the head reads it outside the chain
+    model = torch.nn.ModuleDict({"blocks": blocks, "head": head})
+    placed = paramplace.placeable(model, list(blocks))
+    assert [[p is b.weight for p in ps] for ps, b in zip(placed, blocks, strict=True)] == [
+        [True],  # the 1 KiB biases stay: below MIN_PLACED_BYTES
+        [],
+        [True],
+    ]
+    placer = paramplace.ParamPlacer(placed)
+    before = blocks[0].weight.detach().clone()
+    placer.place()
+    try:
+        assert placer.placed_nbytes == 2 * 256 * 256 * 4
+        placer.use(0)
+        assert placer.resident == 256 * 256 * 4
+        placer.done(0)
+        assert placer.resident == 0 and torch.equal(blocks[0].weight, before)
+        with torch.no_grad():
+            blocks[0].weight.add_(1.0)  # written through the mapping
+    finally:
+        placer.restore()
+    assert torch.equal(blocks[0].weight, before + 1.0) and not placer.placed
