@@ -71,9 +71,8 @@ _PREFIX = "tensorscope.checkpoint:"
 # (block k's updates run as soon as its gradients are accumulated, before Function k-1), or,
 # for block 0, when autograd reaches the chain's input (a hook on x_0: after block 0's updates,
 # before the embedding's backward), else when the whole backward has finished (an engine
-# callback). A block's parameters
-# that are dropped early are only read back by a page fault: the schedule costs time, never a
-# value.
+# callback). Parameters dropped too early are read back by a page fault: a mistimed drop costs
+# time, never a value.
 
 
 # NOTE [context gradients in plain autograd's order]

@@ -578,7 +578,8 @@ class Fit:
             raise
         self.decision = decision
         if not self._place(decision.chosen.base.placed_bytes > 0):
-            self._apply(plan, free_gradients)  # a write failed: decided again without placing
+            self.decision = None  # a write failed: decided again without placing
+            self._apply(plan, free_gradients)
             return
         # NOTE [updates in row blocks] (statestore.py)
         offloaded = decision.chosen.base.state_offloaded
@@ -740,8 +741,11 @@ class Fit:
         if self._managed():
             return "managed by ts.manage: the residency manager's tiers under its own budget"
         base = self.decision.chosen.base if self.decision is not None else None
-        placed = ""
-        if base is not None and base.placed_bytes and self._placer is not None:
+        in_files = base is not None and base.placed_bytes > 0 and self._placer is not None
+        placed = f"; the chain's parameters stay in memory ({self._place_off})" * bool(
+            self._place_off
+        )
+        if in_files and self._placer is not None:
             placed = (
                 f"; the chain's parameters ({format_bytes(self._placer.placed_nbytes)}) in the "
                 f"disk tier's files between their uses, one block's mapped in at a time "
@@ -762,14 +766,16 @@ class Fit:
                         f"at a time ({self._states.block_updates} such updates so far)"
                     )
             return (
-                f"{'other ' if placed else ''}parameters and gradients resident on the device; "
+                f"{'other ' if in_files else ''}parameters and gradients resident on the device; "
                 f"optimizer state in the "
                 f"{self._states.tier} tier between updates ({when}; "
                 f"{format_bytes(base.offloaded_bytes)} written and read each step)" + placed
             )
-        if placed:
+        if in_files:
             return "other parameters, gradients and optimizer state resident on the device" + placed
-        return "resident on the device (parameters not moved: see docs/fit.md, model state)"
+        return (
+            "resident on the device (parameters not moved: see docs/fit.md, model state)" + placed
+        )
 
     def remove(self) -> None:
         """Give the model and optimizer back exactly as they were (their current values):

@@ -170,6 +170,7 @@ def test_a_failed_write_keeps_the_parameters(
         _step(ref, ref_opt, ids, 0)
         assert differing(model, ref) == []  # the step itself ran; nothing lost
         assert "writing parameters to the disk tier failed" in fit._place_off
+        assert fit.decision is None and "no plan: " in fit.explain()
     finally:
         fit.remove()
     assert differing(model, ref) == []
