@@ -70,9 +70,9 @@ _PREFIX = "tensorscope.checkpoint:"
 # (the update inside backward follows B(k)), and dropped when autograd reaches the next block
 # (block k's updates run as soon as its gradients are accumulated, before Function k-1), or,
 # for block 0, when autograd reaches the chain's input (a hook on x_0: after block 0's updates,
-# before the embedding's backward), else when the whole backward has finished (an engine
-# callback). Parameters dropped too early are read back by a page fault: a mistimed drop costs
-# time, never a value.
+# before the embedding's backward; not on a leaf, which would keep one hook per step), else when
+# the whole backward has finished (an engine callback). Parameters dropped too early are read
+# back by a page fault: a mistimed drop costs time, never a value.
 
 
 # NOTE [context gradients in plain autograd's order]
@@ -292,7 +292,7 @@ class BlockRun:
         if k == 0:
             self.plain[0] = x
             placer = self.placer
-            if placer is not None and x.requires_grad:  # NOTE [placed parameters]
+            if placer is not None and x.requires_grad and not x.is_leaf:  # NOTE [placed parameters]
                 x.register_hook(lambda _: placer.done(0))  # type: ignore[no-untyped-call]
             self.input_nbytes = int(x.untyped_storage().nbytes())
             self.x_requires_grad = x.requires_grad

@@ -323,8 +323,10 @@ class Fit:
             placed = self._placed_names()
             held: list[tuple[float, int]] = []
             if placed and self._placer is not None:
-                held = [(t - self._recorded_at, b) for t, b in self._placer.log]
+                held = [(t - self._recorded_at, b) for t, b in self._placer.log or []]
                 self._corrected_peak = placed_peak(plan, placed, held)
+            if self._placer is not None:
+                self._placer.log = None  # logged for the recorded step only
             offloading = self._offloader is not None and bool(self.chain and self.chain.offloaded)
             if offloading and self._offloader is not None:
                 stats = self._offloader.stats()

@@ -75,8 +75,9 @@ def placeable(model: nn.Module, blocks: Sequence[nn.Module]) -> list[list[nn.Par
 class ParamPlacer:
     """Parameters of a chain's blocks in files between their uses (see the NOTE).
 
-    ``use(k)`` maps block ``k``'s parameters in, ``done(k)`` drops them; ``log`` records what
-    is mapped over time: ``(perf_counter seconds, bytes)`` at each change.
+    ``use(k)`` maps block ``k``'s parameters in, ``done(k)`` drops them. While ``log`` is a
+    list (ts.fit sets one for a recorded step, then None), it records what is mapped over time:
+    ``(perf_counter seconds, bytes)`` at each change; ``peak_resident`` is the most ever mapped.
     """
 
     def __init__(self, blocks: Sequence[Sequence[nn.Parameter]], offload_dir: str | None = None):
@@ -87,7 +88,8 @@ class ParamPlacer:
         self._regions: dict[int, DiskRegion] = {}  # id(param) -> its region
         self._mapped: dict[int, int] = {}  # block -> bytes mapped by use()
         self.resident = 0
-        self.log: list[tuple[float, int]] = []
+        self.peak_resident = 0
+        self.log: list[tuple[float, int]] | None = None
         self.placed = False
         self.kept: list[str] = []  # why parameters stayed in memory (failed writes)
 
@@ -131,7 +133,9 @@ class ParamPlacer:
         self._note()
 
     def _note(self) -> None:
-        self.log.append((time.perf_counter(), self.resident))
+        self.peak_resident = max(self.peak_resident, self.resident)
+        if self.log is not None:
+            self.log.append((time.perf_counter(), self.resident))
 
     def use(self, k: int, write: bool = False) -> None:
         """Map block ``k``'s parameters in (``write``: they are about to be updated)."""
