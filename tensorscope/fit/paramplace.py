@@ -168,10 +168,6 @@ class ParamPlacer:
         self.resident -= mapped
         self._note()
 
-    def done_all(self) -> None:
-        for k in list(self._mapped):
-            self.done(k)
-
     def restore(self) -> None:
         """Every parameter back in ordinary memory with its current value; the files go."""
         for params in self.blocks:
