@@ -15,32 +15,15 @@ import pytest
 import torch
 
 import tensorscope as ts
-from tensorscope.checkpoint.offloaded import OffloadModel
-from tensorscope.fit import handle
+from tests.fit.fit_helpers import gpt2, llama, offload_for_free
 
 VOCAB, BATCH, SEQ = 1000, 4, 256
 
 
 def _model(name: str) -> Any:
-    import transformers as tf
-
-    torch.manual_seed(0)
     if name == "gpt2":
-        cfg: Any = tf.GPT2Config(
-            n_layer=4, n_embd=128, n_head=4, vocab_size=VOCAB, n_positions=SEQ, use_cache=False
-        )
-        return tf.GPT2LMHeadModel(cfg).train()
-    cfg = tf.LlamaConfig(
-        num_hidden_layers=4,
-        hidden_size=128,
-        intermediate_size=512,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=VOCAB,
-        use_cache=False,
-        attention_dropout=0.1,
-    )
-    return tf.LlamaForCausalLM(cfg).train()
+        return gpt2(4, 128, VOCAB, SEQ)
+    return llama(4, 128, 512, VOCAB, dropout=0.1)
 
 
 def _step(model: Any, opt: torch.optim.Optimizer, ids: torch.Tensor, k: int, how: str) -> float:
@@ -57,13 +40,7 @@ def _step(model: Any, opt: torch.optim.Optimizer, ids: torch.Tensor, k: int, how
 
 @pytest.fixture
 def forced(monkeypatch: pytest.MonkeyPatch) -> None:
-    measured = handle.Fit._offload_model
-
-    def free(self: handle.Fit) -> OffloadModel | None:
-        model = measured(self)
-        return None if model is None else OffloadModel(model.nbytes, (0.0,) * len(model.nbytes))
-
-    monkeypatch.setattr(handle.Fit, "_offload_model", free)
+    offload_for_free(monkeypatch)
 
 
 @pytest.mark.usefixtures("forced")

@@ -6,12 +6,14 @@ from __future__ import annotations
 import contextlib
 import copy
 from collections.abc import Iterator
-from typing import Any
 
+import pytest
 import torch
 from torch import nn
 
 import tensorscope as ts
+from tensorscope.checkpoint.offloaded import OffloadModel
+from tensorscope.fit import handle
 
 VOCAB = 97
 BATCH, SEQ = 4, 32
@@ -46,31 +48,53 @@ class MLPChain(nn.Module):
         return self.head(h)
 
 
+def gpt2(layers: int, hidden: int, vocab: int, positions: int) -> nn.Module:
+    """A GPT-2 of that shape (4 heads, random weights seeded 0, no KV cache), in train()."""
+    import transformers as tf
+
+    torch.manual_seed(0)
+    cfg = tf.GPT2Config(
+        n_layer=layers,
+        n_embd=hidden,
+        n_head=4,
+        vocab_size=vocab,
+        n_positions=positions,
+        use_cache=False,
+    )
+    return tf.GPT2LMHeadModel(cfg).train()
+
+
+def llama(layers: int, hidden: int, ffn: int, vocab: int, dropout: float = 0.0) -> nn.Module:
+    """A Llama of that shape (4 heads over 2 key/value heads, random weights seeded 0, no KV
+    cache), in train()."""
+    import transformers as tf
+
+    torch.manual_seed(0)
+    cfg = tf.LlamaConfig(
+        num_hidden_layers=layers,
+        hidden_size=hidden,
+        intermediate_size=ffn,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=vocab,
+        use_cache=False,
+        attention_dropout=dropout,
+    )
+    return tf.LlamaForCausalLM(cfg).train()
+
+
 def tiny(name: str) -> nn.Module:
     """A tiny model with random weights (dropout on, no KV cache), in train() mode."""
+    if name == "gpt2":
+        return gpt2(4, 32, VOCAB, 64)
+    if name == "llama":
+        return llama(4, 32, 64, VOCAB, dropout=0.1)
     torch.manual_seed(0)
     if name == "mlp":
         return MLPChain().train()
-    import transformers as tf
-
-    if name == "gpt2":
-        cfg: Any = tf.GPT2Config(
-            n_layer=4, n_embd=32, n_head=4, vocab_size=VOCAB, n_positions=64, use_cache=False
-        )
-        return tf.GPT2LMHeadModel(cfg).train()
-    if name == "llama":
-        cfg = tf.LlamaConfig(
-            num_hidden_layers=4,
-            hidden_size=32,
-            intermediate_size=64,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            vocab_size=VOCAB,
-            use_cache=False,
-            attention_dropout=0.1,
-        )
-        return tf.LlamaForCausalLM(cfg).train()
     if name == "bert":
+        import transformers as tf
+
         cfg = tf.BertConfig(
             num_hidden_layers=4,
             hidden_size=32,
@@ -87,24 +111,21 @@ BIG_VOCAB = 4096  # 4 x 32 tokens x 4096 x 4 bytes = 2 MiB of logits: ts.fit rou
 
 def big_vocabulary(name: str) -> nn.Module:
     """A 2-layer GPT-2 or Llama with a BIG_VOCAB vocabulary (random weights), in train() mode."""
-    import transformers as tf
-
-    torch.manual_seed(0)
     if name == "gpt2":
-        cfg: Any = tf.GPT2Config(
-            n_layer=2, n_embd=32, n_head=4, vocab_size=BIG_VOCAB, n_positions=64, use_cache=False
-        )
-        return tf.GPT2LMHeadModel(cfg).train()
-    cfg = tf.LlamaConfig(
-        num_hidden_layers=2,
-        hidden_size=32,
-        intermediate_size=64,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=BIG_VOCAB,
-        use_cache=False,
-    )
-    return tf.LlamaForCausalLM(cfg).train()
+        return gpt2(2, 32, BIG_VOCAB, 64)
+    return llama(2, 32, 64, BIG_VOCAB)
+
+
+def offload_for_free(monkeypatch: pytest.MonkeyPatch) -> None:
+    """ts.fit's offload model with no I/O time: the decision offloads wherever it fits (what
+    runs is tested, whatever this machine's bandwidth)."""
+    measured = handle.Fit._offload_model
+
+    def free(self: handle.Fit) -> OffloadModel | None:
+        model = measured(self)
+        return None if model is None else OffloadModel(model.nbytes, (0.0,) * len(model.nbytes))
+
+    monkeypatch.setattr(handle.Fit, "_offload_model", free)
 
 
 def batches(name: str, seq: int = SEQ) -> Iterator[dict[str, torch.Tensor]]:

@@ -28,7 +28,7 @@ from tensorscope.fit import handle
 from tensorscope.fit.account import StepBase
 from tensorscope.fit.decide import decide
 
-from .fit_helpers import MLPChain, differing, twin
+from .fit_helpers import MLPChain, differing, offload_for_free, twin
 
 CHAIN = Chain([1.0] * 6, [2.0] * 6, [10] * 7, [0] + [50] * 6, [5] * 6, [8] * 6)
 FREED = StepBase(True, 380, 580, 420, 300, 30, 100, 1.0)
@@ -159,13 +159,7 @@ def _fitted_and_plain() -> tuple[
 @pytest.fixture
 def forced(monkeypatch: pytest.MonkeyPatch) -> None:
     """Offload predicted free: the decision offloads wherever it fits (what runs is tested)."""
-    measured = handle.Fit._offload_model
-
-    def free(self: handle.Fit) -> OffloadModel | None:
-        model = measured(self)
-        return None if model is None else OffloadModel(model.nbytes, (0.0,) * len(model.nbytes))
-
-    monkeypatch.setattr(handle.Fit, "_offload_model", free)
+    offload_for_free(monkeypatch)
 
 
 @pytest.mark.usefixtures("forced")

@@ -16,19 +16,13 @@ import tensorscope as ts
 from tensorscope.errors import FitWarning, ResidencyError, ScheduleError
 from tensorscope.fit import handle, paramplace
 
-from .fit_helpers import differing
+from .fit_helpers import differing, gpt2
 
 VOCAB, BATCH, SEQ = 256, 4, 64
 
 
 def _gpt2() -> Any:
-    import transformers as tf
-
-    torch.manual_seed(0)
-    cfg = tf.GPT2Config(
-        n_layer=4, n_embd=128, n_head=4, vocab_size=VOCAB, n_positions=SEQ, use_cache=False
-    )
-    return tf.GPT2LMHeadModel(cfg).train()
+    return gpt2(4, 128, VOCAB, SEQ)
 
 
 def _data(n: int) -> list[torch.Tensor]:
