@@ -194,10 +194,7 @@ def chain_backward_peak(
     if ranges is None:
         return plan.peak_bytes
     backward = ranges[1]
-    intervals = _without(plan, placed) if placed else _Intervals(plan).all()
-    intervals += _held(plan, backward, ahead)
-    if placed:
-        intervals += _held(plan, backward, held)
+    intervals = _without(plan, placed) + _held(plan, backward, ahead) + _held(plan, backward, held)
     return _peak(intervals, [(backward.start, backward.stop)])
 
 
