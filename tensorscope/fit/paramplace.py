@@ -11,11 +11,12 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
+from tensorscope._torch import new_storage
 from tensorscope._units import format_bytes
 from tensorscope.errors import FitWarning, ResidencyError
 from tensorscope.residency.disk import DiskTier
 from tensorscope.residency.mapping import DiskRegion
-from tensorscope.residency.tiers import swap_in
+from tensorscope.residency.tiers import move_into_file, swap_in
 
 __all__ = ["MIN_PLACED_BYTES", "ParamPlacer", "measure_mapping", "placeable"]
 
@@ -114,7 +115,7 @@ class ParamPlacer:
                     continue
                 storage = p.untyped_storage()
                 try:
-                    region = self._tier.store(storage.data_ptr(), storage.nbytes())
+                    region = move_into_file(self._tier, storage)
                 except ResidencyError as exc:
                     self.kept.append(str(exc))
                     warnings.warn(
@@ -124,7 +125,6 @@ class ParamPlacer:
                         stacklevel=3,
                     )
                     continue
-                swap_in(storage, region.storage())  # the heap bytes are released with it
                 region.drop()
                 self._regions[id(p)] = region
         self.placed = True
@@ -176,7 +176,7 @@ class ParamPlacer:
                 if region is None:
                     continue
                 storage = p.untyped_storage()
-                heap = torch.empty(storage.nbytes(), dtype=torch.uint8).untyped_storage()
+                heap = new_storage(storage.nbytes())
                 heap.copy_(storage)
                 swap_in(storage, heap)  # `heap` now holds the mapping, released below
                 del heap

@@ -12,7 +12,14 @@ from tensorscope.errors import ResidencyError
 from tensorscope.residency.disk import DiskTier
 from tensorscope.residency.mapping import DiskRegion
 from tensorscope.residency.placement import Placement
-from tensorscope.residency.tiers import DeviceTier, HostTier, TierName, empty_storage, swap_in
+from tensorscope.residency.tiers import (
+    DeviceTier,
+    HostTier,
+    TierName,
+    empty_storage,
+    move_into_file,
+    swap_in,
+)
 
 __all__ = ["Movers", "describe", "lost_error", "lost_on_remove"]
 
@@ -112,10 +119,7 @@ class Movers:
         """CPU device: copy a storage's heap bytes into a new disk region and make the mapping
         its memory (the heap memory goes back to the allocator). Raises before changing
         anything if the disk is full."""
-        storage = placement.storage
-        region = self.disk.store(storage.data_ptr(), placement.nbytes)
-        mapped = region.storage()
-        swap_in(storage, mapped)  # the storage's memory is now the mapped file
+        region = move_into_file(self.disk, placement.storage)
         placement.region = region
         self.migrated_bytes += placement.nbytes
         return region

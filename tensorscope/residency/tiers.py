@@ -15,11 +15,15 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 import torch
 
 from tensorscope._torch import new_storage, swap_data_ptr
+
+if TYPE_CHECKING:
+    from tensorscope.residency.disk import DiskTier
+    from tensorscope.residency.mapping import DiskRegion
 
 __all__ = [
     "TIER_ORDER",
@@ -84,6 +88,15 @@ def swap_in(storage: torch.UntypedStorage, source: torch.UntypedStorage) -> None
     ``source`` and is released when ``source`` is dropped.
     """
     swap_data_ptr(storage, source)
+
+
+def move_into_file(disk: DiskTier, storage: torch.UntypedStorage) -> DiskRegion:
+    """CPU device: write ``storage``'s bytes to a new region of ``disk`` and make the region's
+    mapping its memory (the same storage object: every tensor on it follows; the heap memory
+    goes back to the allocator). Raises before changing anything if the disk is full."""
+    region = disk.store(storage.data_ptr(), storage.nbytes())
+    swap_in(storage, region.storage())
+    return region
 
 
 class HostTier:
