@@ -30,8 +30,9 @@ def _model() -> nn.Sequential:
 
 
 def _inputs() -> list[torch.Tensor]:
-    torch.manual_seed(1)
-    return [torch.randn(4, 64) for _ in range(5)]
+    # A generator of its own: threads seeding the global one would interleave their draws.
+    rng = torch.Generator().manual_seed(1)
+    return [torch.randn(4, 64, generator=rng) for _ in range(5)]
 
 
 def _run(model: nn.Module) -> list[torch.Tensor]:
