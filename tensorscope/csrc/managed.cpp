@@ -12,7 +12,8 @@
 // - no managed operand: the op runs at once (the Python mode did nothing else for it either);
 // - the fast path: every managed operand on the device tier (no prefetch pending, its file
 //   intact), no placement of the manager off the device (Flow then decides nothing after an
-//   op), Flow the policy, the op not mutating, its results not due to be managed (no scope open,
+//   op) or the op before Flow's next decision point (`res_quiet`: residency/cadence.py), Flow
+//   the policy, the op not mutating, its results not due to be managed (no scope open,
 //   no optimizer region): operands pinned natively, the op runs, the op is appended to this
 //   thread's log (op, placement uids, clock), replayed into the Python ledger/recorder at the
 //   next point Python looks (residency/native.py: `sync`). No Python frame, no GIL;
@@ -73,6 +74,9 @@ std::atomic<long> g_inflight{0};       // fast ops running (all threads)
 std::atomic<long> g_fast_ops{0};       // counters, for tests and the benchmark
 std::atomic<long> g_slow_ops{0};
 std::atomic<bool> g_disabled{false};   // fast path off (tests compare both paths)
+// Ops on managed tensors that may still run before Flow's next decision with placements off the
+// device (residency/cadence.py); guarded by g_mu, one less per fast op.
+long g_quiet = 0;
 
 enum Kind : uint8_t { kPlain = 0, kMutating = 1, kGradCandidate = 2, kAlwaysSlow = 3,
                       kDetach = 4, kAlias = 5 };
@@ -280,11 +284,12 @@ void fallback(const c10::OperatorHandle& op, c10::DispatchKeySet keys, torch::ji
     } else {
       fast = fast && kind != kMutating && !(kind == kGradCandidate && in_backward) && !tl_due &&
              g_policy_ok.load(std::memory_order_relaxed) &&
-             g_off_device.load(std::memory_order_relaxed) == 0 &&
+             (g_off_device.load(std::memory_order_relaxed) == 0 || g_quiet > 0) &&
              g_scopes.load(std::memory_order_relaxed) == 0;
       for (Entry* entry : managed) fast = fast && entry->fast;
       if (fast) {
         for (Entry* entry : managed) ++entry->pins;
+        if (g_quiet > 0) --g_quiet;  // this op's clock tick (the Python clock counts it on replay)
       }
     }
   }
@@ -478,6 +483,15 @@ PyObject* res_flags(PyObject*, PyObject* args) {
   Py_RETURN_NONE;
 }
 
+// res_quiet(n): the next n ops on managed tensors need no decision by the policy (cadence.py).
+PyObject* res_quiet(PyObject*, PyObject* arg) {
+  const long n = PyLong_AsLong(arg);
+  if (n == -1 && PyErr_Occurred()) return nullptr;
+  std::lock_guard<std::mutex> lock(g_mu);
+  g_quiet = n > 0 ? n : 0;
+  Py_RETURN_NONE;
+}
+
 PyObject* op_object(const LogEntry& entry) {  // borrowed
   const auto found = g_ops.find(entry.name);
   if (found != g_ops.end()) return found->second;
@@ -571,6 +585,7 @@ PyMethodDef residency_methods[] = {
     {"res_excluded", res_excluded, METH_O, "res_excluded(on) -> previous"},
     {"res_counter", res_counter, METH_VARARGS, "res_counter(name, delta) -> new value"},
     {"res_flags", res_flags, METH_VARARGS, "res_flags(policy_ok, disabled)"},
+    {"res_quiet", res_quiet, METH_O, "res_quiet(n): n ops before the policy's next decision"},
     {"res_drain", res_drain, METH_NOARGS,
      "res_drain() -> None or (ops, uids, clocks, last): this thread's fast ops"},
     {nullptr, nullptr, 0, nullptr},

@@ -7,9 +7,9 @@ tensors the op touched). Tested without tensors.
 from __future__ import annotations
 
 from bisect import bisect_right
-from collections.abc import Hashable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 
-__all__ = ["NextUse", "next_use_table"]
+__all__ = ["NextUse", "decision_points", "next_use_table"]
 
 
 def next_use_table(ops: Sequence[Sequence[Hashable]]) -> dict[Hashable, list[int]]:
@@ -52,13 +52,50 @@ class NextUse:
         index = bisect_right(uses, position)
         return uses[index] if index < len(uses) else None
 
-    def upcoming(self, position: int, limit: int) -> list[Hashable]:
-        """Distinct keys used after ``position``, in order of first use, at most ``limit``."""
+    def upcoming(self, position: int, limit: int, through: int = -1) -> list[Hashable]:
+        """Distinct keys used after ``position``, in order of first use: at most ``limit``,
+        or more where the ops up to index ``through`` use more.
+
+        Example:
+            >>> nu = NextUse([("a",), ("b",), ("c",), ("d",)])
+            >>> nu.upcoming(0, 1), nu.upcoming(0, 1, through=2)
+            (['b'], ['b', 'c'])
+        """
         seen: dict[Hashable, None] = {}
-        for keys in self.ops[position + 1 :]:
-            for key in keys:
+        for index in range(position + 1, len(self.ops)):
+            if index > through and len(seen) >= limit:
+                break
+            for key in self.ops[index]:
                 if key not in seen:
                     seen[key] = None
-                    if len(seen) >= limit:
+                    if index > through and len(seen) >= limit:
                         return list(seen)
         return list(seen)
+
+
+def decision_points(
+    ops: Sequence[Sequence[Hashable]], nbytes: Callable[[Hashable], int], stride: int
+) -> list[int]:
+    """Op indices that cut an iteration into stretches of about ``stride`` bytes of tensors
+    first used there: where a policy deciding coarsely decides (see residency/decide.py).
+
+    Index 0 is always one; a new stretch begins at the op whose first-used tensors bring the
+    current one to ``stride`` bytes or more.
+
+    Example (tensors of 4, 4, 4 and 8 bytes, first used by ops 0, 2, 3 and 4):
+        >>> sizes = {"a": 4, "b": 4, "c": 4, "d": 8}
+        >>> decision_points([("a",), ("a",), ("b",), ("c",), ("d", "a")], sizes.__getitem__, 8)
+        [0, 3]
+    """
+    points = [0] if ops else []
+    seen: set[Hashable] = set()
+    filled = 0
+    for index, keys in enumerate(ops):
+        for key in keys:
+            if key not in seen:
+                seen.add(key)
+                filled += nbytes(key)
+        if filled >= stride and index + 1 < len(ops):
+            points.append(index + 1)
+            filled = 0
+    return points

@@ -192,11 +192,12 @@ class Recorder:
             return None
         return times[index] - times[position]
 
-    def upcoming(self, limit: int) -> list[Hashable]:
-        """Keys the previous iteration used next, in order, at most ``limit``."""
+    def upcoming(self, limit: int, through: int = -1) -> list[Hashable]:
+        """Keys the previous iteration used next, in order: at most ``limit``, or all those
+        used up to op index ``through``."""
         if self.previous is None or self.diverged:
             return []
-        return self.previous.upcoming(self.position, limit)
+        return self.previous.upcoming(self.position, limit, through)
 
     def reset(self) -> None:
         self.__init__()  # type: ignore[misc]

@@ -65,6 +65,7 @@ class Snapshot:
         "budget_bytes",
         "clock",
         "device_bytes",
+        "horizon",
         "read_rate",
         "upcoming",
     )
@@ -79,6 +80,7 @@ class Snapshot:
         *,
         make_entries: Callable[[], tuple[Entry, ...]] | None = None,
         read_rate: float | None = None,
+        horizon: int | None = None,
     ) -> None:
         self.budget_bytes = budget_bytes
         self.device_bytes = device_bytes
@@ -89,6 +91,9 @@ class Snapshot:
         self._make = make_entries
         # Bytes per second the disk tier delivers (measured); None until measured.
         self.read_rate = read_rate
+        # The manager decides next only after some ops (residency/cadence.py): what is used
+        # up to this op index must be asked for now. None: a decision comes after every op.
+        self.horizon = horizon
 
     @property
     def entries(self) -> tuple[Entry, ...]:

@@ -84,15 +84,20 @@ class Flow:
         upcoming = snapshot.upcoming
         if self.prefetch_limit is not None:
             return upcoming[: self.prefetch_limit]
+        horizon = snapshot.horizon
+        due = 0  # used before the manager decides again: asked for now, whatever the pace
+        if horizon is not None:
+            while due < len(upcoming) and _distance(upcoming[due]) <= horizon:
+                due += 1
         rate = snapshot.read_rate
         if rate is None or not upcoming or any(e.eta is None for e in upcoming):
-            return upcoming[:_UNMEASURED_DEPTH]
+            return upcoming[: max(due, _UNMEASURED_DEPTH)]
         queued = 0
         for index, entry in enumerate(upcoming):
             queued += entry.nbytes
             eta = entry.eta if entry.eta is not None else 0.0
             if index > 0 and _SAFETY * queued / rate < eta:
-                return upcoming[:index]
+                return upcoming[: max(due, index)]
         return upcoming
 
     def _ranked_victims(self, entries: tuple[Entry, ...]) -> list[Entry]:

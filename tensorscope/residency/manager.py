@@ -23,6 +23,7 @@ docs/residency.md.
 
 from __future__ import annotations
 
+import collections
 import os
 import threading
 import weakref
@@ -46,6 +47,7 @@ from tensorscope.graph.order import ModuleOrder
 from tensorscope.graph.record import Recorder
 from tensorscope.policies import Action, Flow, Policy
 from tensorscope.residency import config, native, room, watch
+from tensorscope.residency.cadence import Cadence
 from tensorscope.residency.disk import DiskTier
 from tensorscope.residency.ledger import Ledger
 from tensorscope.residency.modules import ModuleSupport
@@ -100,6 +102,10 @@ class ResidencyManager(ModuleSupport):
         self._copy_stream: torch.cuda.Stream | None = None
         self._movers: Movers | None = None
         self._prefetcher: Prefetcher | None = None
+        # Prefetches that landed while the lock was held (appended by the prefetch threads).
+        self._landed_late: collections.deque[tuple[Placement, threading.Event]] = (
+            collections.deque()
+        )
         self.pace = Pace()  # measured read rate and compute clock (Flow's prefetch depth)
         self.ledger = Ledger()
         self._recorders: dict[int, Recorder] = {}
@@ -110,6 +116,7 @@ class ResidencyManager(ModuleSupport):
         self._threads: dict[int, ThreadState] = {}  # threads whose mode routes ops here
         self._handles: weakref.WeakSet[Any] = weakref.WeakSet()  # live ts.manage() handles
         self.ops = OpPath(self)
+        self.cadence = Cadence()  # after which ops the policy decides (cadence.py)
         self.converted = 0  # stored tensors converted into offload files (another dtype)
         native.setup(self.sync_ops)
         native.set_policy(self._policy)
@@ -160,6 +167,7 @@ class ResidencyManager(ModuleSupport):
                 self._recorders.clear()
                 native.set_policy(new_policy)
             self._budget = new_budget
+            self.cadence.every_op()  # until the next decision, with the new policy and budget
             self.ledger.reset_peaks()
             if new_budget is not None and self.ledger.device_total > new_budget:
                 self.make_room(0, "configure(budget=...)")
@@ -559,13 +567,37 @@ class ResidencyManager(ModuleSupport):
             return
         else:
             if self._prefetcher is None:
-                self._prefetcher = Prefetcher(self.pace)
+                self._prefetcher = Prefetcher(self.pace, self._landed)
             placement.pending = threading.Event()
             placement.tier = "device"
             self._prefetcher.submit(placement, placement.pending)
             seconds = 0.0
         self.ledger.moved(placement, source, seconds)
         self.ledger.prefetched += 1
+
+    def _landed(self, placement: Placement, event: threading.Event) -> None:
+        """A prefetch thread mapped ``placement``'s pages in: its ops need not wait (and may
+        take the C++ fast path) from now on. Only if the lock is free: its holder may be
+        waiting for a prefetch queued behind this one (then the op's own wait clears it)."""
+        if not self._lock.acquire(blocking=False):
+            self._landed_late.append((placement, event))  # see landed_late()
+            return
+        try:
+            self._land(placement, event)
+        finally:
+            self._lock.release()
+
+    def landed_late(self) -> None:
+        """Prefetches that landed while the lock was held (under the lock)."""
+        late = self._landed_late
+        while late:
+            self._land(*late.popleft())
+
+    @staticmethod
+    def _land(placement: Placement, event: threading.Event) -> None:
+        if placement.pending is event:
+            placement.pending = None
+            native.publish(placement, create=False)
 
     def check_fits(self, nbytes: int, what: str) -> None:
         if self._budget is not None and nbytes > self._budget:

@@ -8,6 +8,7 @@ lock, ledger and moves, declared below for the type checker.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import threading
 import warnings
@@ -29,6 +30,7 @@ from tensorscope.residency.tiers import TierName, release_free_heap
 if TYPE_CHECKING:
     from tensorscope.graph.order import ModuleOrder
     from tensorscope.graph.record import Recorder
+    from tensorscope.residency.cadence import Cadence
     from tensorscope.residency.disk import DiskTier
     from tensorscope.residency.oppath import OpPath
     from tensorscope.residency.prefetch import Prefetcher
@@ -48,10 +50,12 @@ class ModuleSupport:
         _prefetcher: Prefetcher | None
         _handles: weakref.WeakSet[Any]
         _recorders: dict[int, Recorder]
+        _landed_late: collections.deque[Any]
         _threads: dict[int, Any]
         ledger: Ledger
         order: ModuleOrder
         ops: OpPath
+        cadence: Cadence
         converted: int
 
         @property
@@ -245,6 +249,8 @@ class ModuleSupport:
                 native.ENGINE.res_drain()  # this thread's unreplayed fast ops: forgotten too
             self.ledger = Ledger()
             self._recorders.clear()
+            self.cadence.every_op()
+            self._landed_late.clear()
             self.order.clear()
             self.ops.clear_cache()
             if self._threads:

@@ -30,7 +30,7 @@ import torch
 
 from tensorscope._engine import FAST
 
-__all__ = ["ENGINE", "arena", "claim", "counters", "drop", "publish", "set_policy"]
+__all__ = ["ENGINE", "arena", "claim", "counters", "drop", "publish", "quiet", "set_policy"]
 
 # The native op path, when the C++ engine is built and chosen (TENSORSCOPE_ENGINE).
 ENGINE: Any = FAST if FAST is not None and hasattr(FAST, "res_set") else None
@@ -74,6 +74,13 @@ def disable(off: bool) -> None:
 def _flags() -> None:
     if ENGINE is not None:
         ENGINE.res_flags(_state["policy_ok"], _state["disabled"])
+
+
+def quiet(ops: int) -> None:
+    """The next ``ops`` ops on managed tensors come before the policy's next decision point
+    (cadence.py): the fast path may run them while placements are off the device."""
+    if ENGINE is not None:
+        ENGINE.res_quiet(ops)
 
 
 def publish(placement: Any, create: bool = True) -> None:

@@ -22,7 +22,7 @@ from tensorscope._torch import no_dispatch, storage_address
 from tensorscope._units import format_bytes
 from tensorscope.errors import OutOfBudgetError
 from tensorscope.policies import OpView
-from tensorscope.residency import room, split, watch
+from tensorscope.residency import native, room, split, watch
 from tensorscope.residency.estimate import Estimates, call, result_sizes, tensors, to_meta
 from tensorscope.residency.movers import lost_error
 from tensorscope.residency.placement import Placement
@@ -133,13 +133,14 @@ class OpPath:
         mutating = kind == MUTATING
         overwritten = _overwritten(func, args) if mutating else None
         replacing = watch.before_data_change(args[0]) if func in _SETS else None
+        moved = any(p.tier != "device" for p in operands)  # the policy decides after it
         estimate = self._before(func, operands, estimate, slack, mutating, overwritten)
         try:
             out = call(func, args, kwargs)
         except BaseException:
             self._abort(operands, estimate)
             raise
-        self._after(func, operands, (estimate, signature), out, manage_results, kind, group)
+        self._after(func, operands, (estimate, signature), out, manage_results, kind, group, moved)
         if replacing is not None:  # parametrize's original.set_(new): see watch.py
             watch.data_replaced(args[0], replacing)
         return out
@@ -246,6 +247,7 @@ class OpPath:
         manage_results: bool,
         kind: int,
         group: int,
+        moved: bool = True,
     ) -> None:
         manager = self.manager
         estimate, signature = estimated
@@ -268,22 +270,34 @@ class OpPath:
             budget = manager.budget_bytes
             if budget is not None and ledger.device_total > budget:
                 manager.make_room(0, f"op {func} (results)")  # the estimate was short
+            manager.landed_late()  # placements the fast path may take again
+            policy = manager.policy
+            recorder = manager.recorder()
+            cadence = manager.cadence
+            horizon = None
+            if budget is not None and cadence.coarse(policy, budget, recorder):
+                if not results and cadence.skips(clock, moved):
+                    native.quiet(cadence.decide_at - clock - 1)  # this op was not a fast one
+                    return
+                horizon = cadence.decided(recorder, ledger, budget, clock)
+            elif cadence.decide_at:
+                cadence.every_op()
             busy = (*operands, *results)
             for placement in busy:  # the policy sees them as in use while it decides
                 placement.pins += 1
             try:
-                policy = manager.policy
                 wants = getattr(policy, "wants_snapshot_after_op", True)
                 snapshot = None
                 if wants:
                     snapshot = room.snapshot(
                         ledger,
-                        manager.recorder(),
+                        recorder,
                         budget,
                         clock,
                         True,
                         manager.pace.read_rate,
                         manager.order,
+                        horizon,
                     )
                 view = OpView(
                     str(func),

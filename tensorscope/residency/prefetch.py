@@ -6,8 +6,10 @@ disk serves requests in parallel), and Flow went from 1.69x to 1.30x plain on
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
+from collections.abc import Callable
 
 from tensorscope.residency.pace import Pace
 from tensorscope.residency.placement import Placement
@@ -18,10 +20,16 @@ __all__ = ["Prefetcher"]
 class Prefetcher:
     """Daemon threads mapping pages in (CPU) while the main thread computes."""
 
-    def __init__(self, pace: Pace, threads: int = 2) -> None:
+    def __init__(
+        self,
+        pace: Pace,
+        landed: Callable[[Placement, threading.Event], None] | None = None,
+        threads: int = 2,
+    ) -> None:
         import queue
 
         self._pace = pace
+        self._landed = landed  # told after each placement's pages are in
         self._queue: queue.SimpleQueue[tuple[Placement, threading.Event] | None] = (
             queue.SimpleQueue()
         )
@@ -54,6 +62,10 @@ class Prefetcher:
                 pass
             finally:
                 event.set()
+            if self._landed is not None:
+                # On failure the op that uses it waits on the event instead.
+                with contextlib.suppress(Exception):
+                    self._landed(placement, event)
 
     def close(self) -> None:
         for _ in self._threads:

@@ -30,10 +30,12 @@ def snapshot(
     upcoming: bool = False,
     read_rate: float | None = None,
     order: ModuleOrder | None = None,
+    horizon: int | None = None,
 ) -> Snapshot:
     """What a policy decides from: the device-resident placements (built lazily), and the
     placements used next that are not resident (``upcoming``). Next uses come from the
-    previous iteration; while it predicts nothing, from ``order`` (see graph/order.py)."""
+    previous iteration; while it predicts nothing, from ``order`` (see graph/order.py).
+    ``horizon``: see ``Snapshot.horizon`` (cadence.py)."""
     resident = list(ledger.resident.values())
     guess = None if recorder.predicting or order is None or not len(order) else order
     position = recorder.position
@@ -52,7 +54,7 @@ def snapshot(
 
     ahead: tuple[Entry, ...] = ()
     if upcoming and (guess is not None or recorder.predicting):
-        roles = recorder.upcoming(32) if guess is None else guess.upcoming(32)
+        roles = recorder.upcoming(32, horizon or -1) if guess is None else guess.upcoming(32)
         wanted = []
         for role in roles:
             p = ledger.by_role.get(role)
@@ -62,7 +64,14 @@ def snapshot(
                 wanted.append(Entry(p.uid, p.nbytes, p.tier, p.last_use, index, False, eta))
         ahead = tuple(wanted)
     return Snapshot(
-        budget, ledger.device_total, clock, None, ahead, make_entries=entries, read_rate=read_rate
+        budget,
+        ledger.device_total,
+        clock,
+        None,
+        ahead,
+        make_entries=entries,
+        read_rate=read_rate,
+        horizon=horizon,
     )
 
 

@@ -1,0 +1,153 @@
+"""Flow decides at the recorded iteration's decision points while weights stream (cadence.py's
+NOTE [coarse decisions]): fewer decisions, the same results and budget, the same decisions with
+the C++ fast path on and off."""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+import tensorscope as ts
+from tensorscope.graph.analysis import decision_points
+from tensorscope.policies import Entry, Flow, OpView, Snapshot
+from tensorscope.residency import native
+from tensorscope.residency.pace import Pace
+from tensorscope.residency.prefetch import Prefetcher
+
+NATIVE = native.ENGINE is not None
+
+
+def _model() -> nn.Sequential:
+    torch.manual_seed(0)
+    layers: list[nn.Module] = []
+    for _ in range(48):  # layers smaller than a stretch (an eighth of the budget)
+        layers += [nn.Linear(32, 32), nn.Tanh()]
+    return nn.Sequential(*layers)
+
+
+def _inputs() -> list[torch.Tensor]:
+    rng = torch.Generator().manual_seed(1)
+    return [torch.randn(2, 32, generator=rng) for _ in range(6)]
+
+
+def _weights(model: nn.Module) -> int:
+    return sum(p.numel() * p.element_size() for p in model.parameters())
+
+
+def _decisions(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """The manager clocks at which Flow.after_op runs from now on."""
+    clocks: list[int] = []
+    original = Flow.after_op
+
+    def after_op(self: Flow, op: OpView) -> list[Any]:
+        clocks.append(-1 if op.snapshot is None else op.snapshot.clock)
+        return original(self, op)
+
+    monkeypatch.setattr(Flow, "after_op", after_op)
+    return clocks
+
+
+def _streamed(policy: Flow, monkeypatch: pytest.MonkeyPatch) -> tuple[list[int], list[Any], int]:
+    """(decision clocks, outputs, ops on managed tensors) of six forwards at half the weights."""
+    model = _model()
+    ts.residency.configure(device="cpu", policy=policy, budget=_weights(model) // 2)
+    ts.residency.report(reset=True)
+    handle = ts.manage(model)
+    clocks = _decisions(monkeypatch)
+    clock0 = ts.residency.clock
+    with torch.no_grad():
+        outputs = [model(x) for x in _inputs()]
+    ts.residency.sync_ops()
+    ops = ts.residency.clock - clock0
+    assert ts.residency.report().tiers["device"].peak_bytes <= _weights(model) // 2
+    handle.remove()
+    return [c - clock0 for c in clocks], outputs, ops
+
+
+def _plain() -> list[torch.Tensor]:
+    model = _model()
+    with torch.no_grad():
+        return [model(x) for x in _inputs()]
+
+
+def test_decision_points_cut_an_iteration_by_bytes_first_used() -> None:
+    sizes = {"w1": 10, "w2": 10, "b": 1, "w3": 10}
+    ops = [("w1",), (), ("w2", "b"), ("w1",), ("w3",), ("b",)]
+    assert decision_points(ops, sizes.__getitem__, 10) == [0, 1, 3, 5]
+    assert decision_points(ops, sizes.__getitem__, 1000) == [0]
+    assert decision_points([], sizes.__getitem__, 10) == []
+
+
+def test_flow_asks_for_everything_used_before_the_next_decision() -> None:
+    # The disk is fast: by the pace alone only the first would be asked for.
+    upcoming = tuple(Entry(k, 10, "disk", -1, k, False, 1.0) for k in range(1, 6))
+    for horizon, wanted in ((None, [1]), (3, [1, 2, 3]), (10, [1, 2, 3, 4, 5])):
+        snapshot = Snapshot(1000, 0, 0, (), upcoming, read_rate=1e9, horizon=horizon)
+        assert [e.key for e in Flow().window(snapshot)] == wanted
+
+
+def test_streamed_weights_decide_at_points_not_after_every_op(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    clocks, outputs, ops = _streamed(Flow(), monkeypatch)
+    assert all(torch.equal(a, b) for a, b in zip(outputs, _plain(), strict=True))
+    per_iteration = ops // 6
+    assert per_iteration == 96  # each Linear: t(weight), addmm(bias, x, weight.t())
+    # The last three forwards are predicted: Flow decides at the points (about 16 an
+    # iteration at half the weights), not after every op.
+    steady = [c for c in clocks if c > 3 * per_iteration]  # the first op has clock 1
+    assert 3 * 8 <= len(steady) <= 3 * 24, len(steady)
+    # The first forward has no prediction: it decides after every op.
+    assert len([c for c in clocks if c <= per_iteration]) == per_iteration
+
+
+def test_a_fixed_prefetch_limit_decides_after_every_op(monkeypatch: pytest.MonkeyPatch) -> None:
+    clocks, outputs, ops = _streamed(Flow(prefetch_limit=2), monkeypatch)
+    assert all(torch.equal(a, b) for a, b in zip(outputs, _plain(), strict=True))
+    assert len(clocks) == ops
+
+
+def test_the_fast_path_decides_at_the_same_ops(monkeypatch: pytest.MonkeyPatch) -> None:
+    runs = []
+    for off in (True, False):
+        native.disable(off)
+        try:
+            with monkeypatch.context() as patch:
+                runs.append(_streamed(Flow(), patch))
+        finally:
+            native.disable(False)
+        ts.residency.reset()
+    (slow_clocks, slow_out, slow_ops), (fast_clocks, fast_out, fast_ops) = runs
+    assert slow_ops == fast_ops and slow_clocks == fast_clocks
+    assert all(torch.equal(a, b) for a, b in zip(slow_out, fast_out, strict=True))
+
+
+def test_the_prefetcher_says_when_a_placement_landed() -> None:
+    landed: list[object] = []
+    done = threading.Event()
+
+    def told(placement: object, event: threading.Event) -> None:
+        assert event.is_set()  # its waiters are released first
+        landed.append(placement)
+        done.set()
+
+    class Region:
+        def populate(self, write: bool) -> None:
+            pass
+
+    class Placement:
+        region = Region()
+        written = False
+
+    prefetcher = Prefetcher(Pace(), told)
+    try:
+        placement: Any = Placement()
+        prefetcher.submit(placement, threading.Event())
+        assert done.wait(timeout=20)
+        assert landed == [placement]
+    finally:
+        prefetcher.close()
