@@ -553,9 +553,12 @@ class ResidencyManager(ModuleSupport):
             self.pace.stalled(seconds)
             self.pace.read(placement.nbytes, seconds)
 
-    def prefetch(self, placement: Placement) -> None:
+    def prefetch(
+        self, placement: Placement, batch: list[tuple[Placement, threading.Event]] | None = None
+    ) -> None:
         """Account a placement as resident now; its bytes arrive in the background (pages
-        mapped by the prefetch thread on a CPU device, a copy stream on CUDA)."""
+        mapped by the prefetch thread on a CPU device, a copy stream on CUDA). ``batch``: a
+        CPU prefetch is added there, for the caller to submit (``Prefetcher.submit_many``)."""
         movers = self.movers()
         if movers.damage(placement) is not None:
             return  # lost bytes: the op that needs them raises, a prefetch must not
@@ -568,9 +571,12 @@ class ResidencyManager(ModuleSupport):
         else:
             if self._prefetcher is None:
                 self._prefetcher = Prefetcher(self.pace, self._landed)
-            placement.pending = threading.Event()
+            event = placement.pending = threading.Event()
             placement.tier = "device"
-            self._prefetcher.submit(placement, placement.pending)
+            if batch is None:
+                self._prefetcher.submit(placement, event)
+            else:
+                batch.append((placement, event))
             seconds = 0.0
         self.ledger.moved(placement, source, seconds)
         self.ledger.prefetched += 1
@@ -644,17 +650,29 @@ class ResidencyManager(ModuleSupport):
         """Apply a policy's demotions and prefetches (prefetches only where they fit)."""
         budget = self._budget
         ledger = self.ledger
-        for action in actions:
-            placement = ledger.by_uid.get(action.key)
-            if placement is None:
-                continue
-            if action.kind == "demote":
-                if placement.tier == "device" and not placement.pins:
-                    self.demote_placement(placement)
-            elif action.kind == "prefetch" and placement.tier != "device":
-                if budget is not None and ledger.device_total + placement.nbytes > budget:
-                    continue  # the policy's plan no longer fits: skip, the op will promote
-                self.prefetch(placement)
+        # CPU prefetches go to the threads at once at the end (one wake-up, not one each).
+        batch: list[tuple[Placement, threading.Event]] = []
+        try:
+            for action in actions:
+                placement = ledger.by_uid.get(action.key)
+                if placement is None:
+                    continue
+                if action.kind == "demote":
+                    if placement.tier == "device" and not placement.pins:
+                        if any(p is placement for p, _ in batch):  # its demotion waits for it
+                            self._submit(batch)
+                        self.demote_placement(placement)
+                elif action.kind == "prefetch" and placement.tier != "device":
+                    if budget is not None and ledger.device_total + placement.nbytes > budget:
+                        continue  # the policy's plan no longer fits: skip, the op will promote
+                    self.prefetch(placement, batch)
+        finally:
+            self._submit(batch)
+
+    def _submit(self, batch: list[tuple[Placement, threading.Event]]) -> None:
+        if batch and self._prefetcher is not None:
+            self._prefetcher.submit_many(batch)
+        batch.clear()
 
     # ------------------------------------------------------------------------------- misc
     def managed_count(self) -> int:

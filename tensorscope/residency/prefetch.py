@@ -30,7 +30,7 @@ class Prefetcher:
 
         self._pace = pace
         self._landed = landed  # told after each placement's pages are in
-        self._queue: queue.SimpleQueue[tuple[Placement, threading.Event] | None] = (
+        self._queue: queue.SimpleQueue[list[tuple[Placement, threading.Event]] | None] = (
             queue.SimpleQueue()
         )
         self._threads = [
@@ -41,31 +41,40 @@ class Prefetcher:
             thread.start()
 
     def submit(self, placement: Placement, event: threading.Event) -> None:
-        self._queue.put((placement, event))
+        self._queue.put([(placement, event)])
+
+    def submit_many(self, items: list[tuple[Placement, threading.Event]]) -> None:
+        """Prefetches in order of need, dealt to the threads in turn: each wakes once."""
+        count = len(self._threads)
+        for share in (items[i::count] for i in range(min(count, len(items)))):
+            self._queue.put(share)
 
     def _run(self) -> None:
         while True:
-            item = self._queue.get()
-            if item is None:
+            items = self._queue.get()
+            if items is None:
                 return
-            placement, event = item
-            try:
-                region = placement.region
-                if region is not None:
-                    started = time.perf_counter()
-                    region.populate(write=placement.written)
-                    self._pace.read(placement.nbytes, time.perf_counter() - started)
-            except Exception:
-                # A prefetch is only a head start: pages it did not map fault in when the op
-                # reads them, and the op path checks the file first (a truncated one raises
-                # ResidencyError there). The thread must live on for the next placements.
-                pass
-            finally:
-                event.set()
-            if self._landed is not None:
-                # On failure the op that uses it waits on the event instead.
-                with contextlib.suppress(Exception):
-                    self._landed(placement, event)
+            for placement, event in items:
+                self._populate(placement, event)
+
+    def _populate(self, placement: Placement, event: threading.Event) -> None:
+        try:
+            region = placement.region
+            if region is not None:
+                started = time.perf_counter()
+                region.populate(write=placement.written)
+                self._pace.read(placement.nbytes, time.perf_counter() - started)
+        except Exception:
+            # A prefetch is only a head start: pages it did not map fault in when the op
+            # reads them, and the op path checks the file first (a truncated one raises
+            # ResidencyError there). The thread must live on for the next placements.
+            pass
+        finally:
+            event.set()
+        if self._landed is not None:
+            # On failure the op that uses it waits on the event instead.
+            with contextlib.suppress(Exception):
+                self._landed(placement, event)
 
     def close(self) -> None:
         for _ in self._threads:
