@@ -80,6 +80,7 @@ class Cadence:
         return points[index + 1] if index + 1 < len(points) else length
 
     def every_op(self) -> None:
-        """Decisions after every op again (nothing predicted, another policy)."""
+        """Decisions after every op again (nothing predicted, another policy or budget)."""
         self.decide_at = 0
+        self._trace = None  # the points depend on the budget and the sizes
         native.quiet(0)

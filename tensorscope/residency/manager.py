@@ -583,8 +583,8 @@ class ResidencyManager(ModuleSupport):
 
     def _landed(self, placement: Placement, event: threading.Event) -> None:
         """A prefetch thread mapped ``placement``'s pages in: its ops need not wait (and may
-        take the C++ fast path) from now on. Only if the lock is free: its holder may be
-        waiting for a prefetch queued behind this one (then the op's own wait clears it)."""
+        take the C++ fast path) from now on. Never waits for the lock: its holder may be
+        waiting for a prefetch queued behind this one; the next op in Python publishes it."""
         if not self._lock.acquire(blocking=False):
             self._landed_late.append((placement, event))  # see landed_late()
             return

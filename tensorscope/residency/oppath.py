@@ -133,8 +133,7 @@ class OpPath:
         mutating = kind == MUTATING
         overwritten = _overwritten(func, args) if mutating else None
         replacing = watch.before_data_change(args[0]) if func in _SETS else None
-        moved = any(p.tier != "device" for p in operands)  # the policy decides after it
-        estimate = self._before(func, operands, estimate, slack, mutating, overwritten)
+        estimate, moved = self._before(func, operands, estimate, slack, mutating, overwritten)
         try:
             out = call(func, args, kwargs)
         except BaseException:
@@ -153,10 +152,12 @@ class OpPath:
         slack: int,
         mutating: bool,
         overwritten: int | None = None,
-    ) -> int:
-        """Make the op ready to run; returns the bytes reserved for its results."""
+    ) -> tuple[int, bool]:
+        """Make the op ready to run; returns the bytes reserved for its results, and whether
+        an operand was off the device (the policy then decides after the op: cadence.py)."""
         manager = self.manager
         with manager._lock:
+            moved = any(p.tier != "device" for p in operands)
             manager.sync_ops()  # first the ops the C++ op path ran (native.py)
             manager.clock += 1
             manager._since_sweep += 1
@@ -184,7 +185,7 @@ class OpPath:
             for placement in operands:
                 placement.wait()
             manager.pace.stalled(time.perf_counter() - started)
-        return estimate
+        return estimate, moved
 
     def _make_resident(
         self,
