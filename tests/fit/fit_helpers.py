@@ -48,6 +48,40 @@ class MLPChain(nn.Module):
         return self.head(h)
 
 
+class ConvBlock(nn.Module):
+    """torchvision's ResNet BasicBlock (3x3 conv, BatchNorm, ReLU, twice, plus the input)."""
+
+    def __init__(self, channels: int) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(channels, channels, 3, padding=1, bias=False)
+        self.bn1 = nn.BatchNorm2d(channels)
+        self.conv2 = nn.Conv2d(channels, channels, 3, padding=1, bias=False)
+        self.bn2 = nn.BatchNorm2d(channels)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = torch.relu(self.bn1(self.conv1(x)))
+        return torch.relu(self.bn2(self.conv2(out)) + x)
+
+
+class CNN(nn.Module):
+    """A ResNet-style CNN whose blocks are a list (torchvision 0.28, the release for torch 2.13,
+    does not load beside it here: its C++ ops do not register): stem, blocks, pooled head."""
+
+    def __init__(self, channels: int = 16, depth: int = 6, classes: int = 10) -> None:
+        super().__init__()
+        self.stem = nn.Sequential(
+            nn.Conv2d(3, channels, 3, padding=1, bias=False), nn.BatchNorm2d(channels), nn.ReLU()
+        )
+        self.blocks = nn.ModuleList(ConvBlock(channels) for _ in range(depth))
+        self.head = nn.Linear(channels, classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.stem(x)
+        for block in self.blocks:
+            h = block(h)
+        return self.head(h.mean(dim=(2, 3)))
+
+
 def gpt2(layers: int, hidden: int, vocab: int, positions: int) -> nn.Module:
     """A GPT-2 of that shape (4 heads, random weights seeded 0, no KV cache), in train()."""
     import transformers as tf
@@ -92,6 +126,8 @@ def tiny(name: str) -> nn.Module:
     torch.manual_seed(0)
     if name == "mlp":
         return MLPChain().train()
+    if name == "cnn":
+        return CNN().train()
     if name == "bert":
         import transformers as tf
 
@@ -135,6 +171,10 @@ def batches(name: str, seq: int = SEQ) -> Iterator[dict[str, torch.Tensor]]:
         if name == "mlp":
             yield {"x": torch.randn(12 * seq, 16, generator=g)}
             continue
+        if name == "cnn":
+            images = torch.randn(BATCH * 2, 3, seq // 2, seq // 2, generator=g)
+            yield {"image": images, "label": torch.randint(0, 10, (BATCH * 2,), generator=g)}
+            continue
         ids = torch.randint(0, VOCAB, (BATCH, seq), generator=g)
         mask = torch.ones(BATCH, seq, dtype=torch.long)
         mask[0, seq - 5 :] = 0  # padding: a real attention mask reaches the blocks
@@ -144,6 +184,8 @@ def batches(name: str, seq: int = SEQ) -> Iterator[dict[str, torch.Tensor]]:
 def loss_of(model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
     if "x" in batch:
         return model(batch["x"]).square().mean()
+    if "image" in batch:
+        return nn.functional.cross_entropy(model(batch["image"]), batch["label"])
     return model(**batch).loss  # type: ignore[no-any-return]
 
 

@@ -12,7 +12,7 @@ import tensorscope as ts
 
 from .fit_helpers import BATCH, VOCAB, batches, differing, optimizer, plain_peak, step, tiny, twin
 
-MODELS = ["gpt2", "llama", "bert", "mlp"]
+MODELS = ["gpt2", "llama", "bert", "mlp", "cnn"]
 STEPS = 4
 
 
