@@ -77,7 +77,7 @@ def decision_points(
     ops: Sequence[Sequence[Hashable]], nbytes: Callable[[Hashable], int], stride: int
 ) -> list[int]:
     """Op indices that cut an iteration into stretches of about ``stride`` bytes of tensors
-    first used there: where a policy deciding coarsely decides (see residency/decide.py).
+    first used there: where a policy deciding coarsely decides (see residency/cadence.py).
 
     Index 0 is always one; a new stretch begins at the op whose first-used tensors bring the
     current one to ``stride`` bytes or more.
