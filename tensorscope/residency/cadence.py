@@ -76,8 +76,13 @@ class Cadence:
             self.decide_at = clock + points[index] - position
         else:  # the next iteration's first point (index 0)
             self.decide_at = clock + length - position + (points[0] if points else 0)
-        native.quiet(self.decide_at - clock - 1)
+        self.passed(clock)
         return points[index + 1] if index + 1 < len(points) else length
+
+    def passed(self, clock: int) -> None:
+        """The op at ``clock`` ran in Python: the C++ fast path may run the ops left before
+        the next point (it counts only the ops it runs)."""
+        native.quiet(self.decide_at - clock - 1)
 
     def every_op(self) -> None:
         """Decisions after every op again (nothing predicted, another policy or budget)."""

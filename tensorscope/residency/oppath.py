@@ -22,7 +22,7 @@ from tensorscope._torch import no_dispatch, storage_address
 from tensorscope._units import format_bytes
 from tensorscope.errors import OutOfBudgetError
 from tensorscope.policies import OpView
-from tensorscope.residency import native, room, split, watch
+from tensorscope.residency import room, split, watch
 from tensorscope.residency.estimate import Estimates, call, result_sizes, tensors, to_meta
 from tensorscope.residency.movers import lost_error
 from tensorscope.residency.placement import Placement
@@ -248,7 +248,7 @@ class OpPath:
         manage_results: bool,
         kind: int,
         group: int,
-        moved: bool = True,
+        moved: bool,
     ) -> None:
         manager = self.manager
         estimate, signature = estimated
@@ -278,7 +278,7 @@ class OpPath:
             horizon = None
             if budget is not None and cadence.coarse(policy, budget, recorder):
                 if not results and cadence.skips(clock, moved):
-                    native.quiet(cadence.decide_at - clock - 1)  # this op was not a fast one
+                    cadence.passed(clock)
                     return
                 horizon = cadence.decided(recorder, ledger, budget, clock)
             elif cadence.decide_at:
