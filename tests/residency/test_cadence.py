@@ -151,3 +151,34 @@ def test_the_prefetcher_says_when_a_placement_landed() -> None:
         assert landed == [placement]
     finally:
         prefetcher.close()
+
+
+def test_two_threads_streaming_their_own_models_stay_exact_within_the_budget() -> None:
+    # One cadence serves both threads' ops: each thread's decisions may come at the other's
+    # points; results and the budget must not depend on it.
+    models = [_model(), _model()]
+    budget = sum(_weights(m) for m in models) // 2
+    ts.residency.configure(device="cpu", policy="flow", budget=budget)
+    ts.residency.report(reset=True)
+    expected = _plain()
+    results: list[list[torch.Tensor]] = [[], []]
+    handles: list[Any] = []
+    start = threading.Barrier(2)
+
+    def work(i: int) -> None:
+        handles.append(ts.manage(models[i]))
+        start.wait(timeout=60)
+        with torch.no_grad():
+            for _ in range(3):
+                results[i] = [models[i](x) for x in _inputs()]
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    for got in results:
+        assert all(torch.equal(g, e) for g, e in zip(got, expected, strict=True))
+    assert ts.residency.report().tiers["device"].peak_bytes <= budget
+    for handle in handles:
+        handle.remove()
