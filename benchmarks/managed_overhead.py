@@ -157,7 +157,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="few rounds (smoke test)")
     parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--budgets", default="150,50", help="budgets, % of the weights")
+    parser.add_argument("--budgets", default="150,50", help="budgets, %% of the weights")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     rounds, calls, op_repeats = (2, 2, 3) if args.quick else (5, 5, 9)
