@@ -16,16 +16,23 @@
 # does every op while nothing is predicted, and with any other policy, or Flow with a fixed
 # ``prefetch_limit`` (the user asked for that depth after each op). Both engines decide at the
 # same ops: a point is a clock value, and the fast path's ops advance the clock on replay.
+#
+# A decision at a point is also remembered: the same point of a later iteration, in the same
+# state (the same placements resident, the same device bytes counted, the same operands, the
+# disk's read rate within a factor of two), applies the same actions without a snapshot or a
+# call to Flow. Flow keeps no state of its own: its answer depends on that snapshot only, the
+# pace's estimates aside. Apply checks each action against the budget and the pins as ever.
 """
 
 from __future__ import annotations
 
+import math
 from bisect import bisect_right
 from collections.abc import Hashable
 
 from tensorscope.graph.analysis import NextUse, decision_points
 from tensorscope.graph.record import Recorder
-from tensorscope.policies import Flow, Policy
+from tensorscope.policies import Action, Flow, Policy
 from tensorscope.residency import native
 from tensorscope.residency.ledger import Ledger
 
@@ -33,6 +40,10 @@ __all__ = ["Cadence"]
 
 # A stretch between two decision points: this share of the budget, in tensors first used there.
 _STRETCH_SHARE = 8
+# Decisions remembered per decision point at most (one state each): a bound, not a tuning.
+_PLANS_PER_POINT = 4
+
+DecisionKey = tuple[int, int, int, tuple[int, ...], int]
 
 
 class Cadence:
@@ -42,6 +53,7 @@ class Cadence:
         self.decide_at = 0  # the manager clock of the next op that decides
         self._trace: NextUse | None = None
         self._points: list[int] = []
+        self._plans: dict[DecisionKey, list[Action]] = {}
 
     def coarse(self, policy: Policy, budget: int | None, recorder: Recorder) -> bool:
         """Whether decisions wait for the next point (the NOTE's conditions)."""
@@ -61,7 +73,7 @@ class Cadence:
         horizon (the op index up to which the decision asks for placements)."""
         trace = recorder.previous
         assert trace is not None  # coarse() holds
-        if trace is not self._trace:
+        if trace is not self._trace and (self._trace is None or trace.ops != self._trace.ops):
             by_role = ledger.by_role
 
             def nbytes(role: Hashable) -> int:
@@ -69,7 +81,8 @@ class Cadence:
                 return 0 if placement is None else placement.nbytes
 
             self._points = decision_points(trace.ops, nbytes, max(1, budget // _STRETCH_SHARE))
-            self._trace = trace
+            self._plans.clear()
+        self._trace = trace  # an iteration like the last one keeps its points and plans
         points, length, position = self._points, len(trace), recorder.position
         index = bisect_right(points, position)
         if index < len(points):
@@ -78,6 +91,24 @@ class Cadence:
             self.decide_at = clock + length - position + (points[0] if points else 0)
         self.passed(clock)
         return points[index + 1] if index + 1 < len(points) else length
+
+    @staticmethod
+    def key(
+        position: int, ledger: Ledger, busy: tuple[int, ...], read_rate: float | None
+    ) -> DecisionKey:
+        """What a coarse decision at op ``position`` of the iteration depends on (the NOTE)."""
+        rate = -1 if not read_rate or read_rate <= 0 else int(math.log2(read_rate))
+        return (position, ledger.resident_print, ledger.device_total, busy, rate)
+
+    def recall(self, key: DecisionKey) -> list[Action] | None:
+        """The actions decided before in the state ``key``, or None."""
+        return self._plans.get(key)
+
+    def remember(self, key: DecisionKey, actions: list[Action]) -> None:
+        plans = self._plans
+        if len(plans) >= _PLANS_PER_POINT * max(1, len(self._points)):
+            plans.clear()  # states that do not repeat: start over rather than grow
+        plans[key] = actions
 
     def passed(self, clock: int) -> None:
         """The op at ``clock`` ran in Python: the C++ fast path may run the ops left before
@@ -88,4 +119,5 @@ class Cadence:
         """Decisions after every op again (nothing predicted, another policy or budget)."""
         self.decide_at = 0
         self._trace = None  # the points depend on the budget and the sizes
+        self._plans.clear()
         native.quiet(0)

@@ -18,6 +18,18 @@ from tensorscope.residency.tiers import TIER_ORDER
 __all__ = ["Ledger"]
 
 
+_MASK = (1 << 64) - 1
+
+
+def _mix(uid: int) -> int:
+    """splitmix64's finalizer: uids spread over 64 bits, so that the XOR of a set of them
+    tells sets apart (uids are small consecutive integers, whose XORs collide)."""
+    z = (uid * 0x9E3779B97F4A7C15) & _MASK
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK
+    return z ^ (z >> 31)
+
+
 class Ledger:
     """Registry and accounting of placements."""
 
@@ -26,6 +38,9 @@ class Ledger:
         self.by_uid: dict[int, Placement] = {}
         self.by_role: dict[Hashable, Placement] = {}
         self.resident: dict[int, Placement] = {}  # uid -> placements on the device tier
+        # A fingerprint of the resident set (equal sets, equal prints): the key of a decision
+        # made before in the same state (cadence.py).
+        self.resident_print = 0
         self.bytes: dict[str, int] = dict.fromkeys(TIER_ORDER, 0)
         self.peak: dict[str, int] = dict.fromkeys(TIER_ORDER, 0)
         # Device bytes promised to ops in flight for their results (counted against the budget).
@@ -65,10 +80,13 @@ class Ledger:
 
     def track(self, placement: Placement) -> None:
         """Keep the set of device-resident placements in step with ``placement.tier``."""
+        uid = placement.uid
         if placement.tier == "device":
-            self.resident[placement.uid] = placement
-        else:
-            self.resident.pop(placement.uid, None)
+            if uid not in self.resident:
+                self.resident[uid] = placement
+                self.resident_print ^= _mix(uid)
+        elif self.resident.pop(uid, None) is not None:
+            self.resident_print ^= _mix(uid)
         native.publish(placement)
 
     def account(self, tier: str, delta: int) -> None:
@@ -90,7 +108,8 @@ class Ledger:
         native.drop(placement)
         self.placements.pop(placement.key, None)
         self.by_uid.pop(placement.uid, None)
-        self.resident.pop(placement.uid, None)
+        if self.resident.pop(placement.uid, None) is not None:
+            self.resident_print ^= _mix(placement.uid)
         if self.by_role.get(placement.role) is placement:
             del self.by_role[placement.role]
         self.account(tier or placement.tier, -placement.nbytes)

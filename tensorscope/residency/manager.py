@@ -554,13 +554,17 @@ class ResidencyManager(ModuleSupport):
             self.pace.read(placement.nbytes, seconds)
 
     def prefetch(
-        self, placement: Placement, batch: list[tuple[Placement, threading.Event]] | None = None
+        self,
+        placement: Placement,
+        batch: list[tuple[Placement, threading.Event]] | None = None,
+        checked: bool = False,
     ) -> None:
         """Account a placement as resident now; its bytes arrive in the background (pages
         mapped by the prefetch thread on a CPU device, a copy stream on CUDA). ``batch``: a
-        CPU prefetch is added there, for the caller to submit (``Prefetcher.submit_many``)."""
+        CPU prefetch is added there, for the caller to submit (``Prefetcher.submit_many``).
+        ``checked``: the caller found its bytes readable (``Movers.lost``)."""
         movers = self.movers()
-        if movers.damage(placement) is not None:
+        if not checked and movers.damage(placement) is not None:
             return  # lost bytes: the op that needs them raises, a prefetch must not
         source = placement.tier
         if self._device.type == "cuda":
@@ -652,6 +656,14 @@ class ResidencyManager(ModuleSupport):
         ledger = self.ledger
         # CPU prefetches go to the threads at once at the end (one wake-up, not one each).
         batch: list[tuple[Placement, threading.Event]] = []
+        # Lost bytes are looked for once per file, not once per prefetch (a system call each):
+        # a prefetch must not touch them, the op that needs them raises.
+        wanted = [
+            p
+            for a in actions
+            if a.kind == "prefetch" and (p := ledger.by_uid.get(a.key)) is not None
+        ]
+        lost = {id(p) for p, _ in self.movers().lost(wanted)} if wanted else set()
         try:
             for action in actions:
                 placement = ledger.by_uid.get(action.key)
@@ -665,7 +677,8 @@ class ResidencyManager(ModuleSupport):
                 elif action.kind == "prefetch" and placement.tier != "device":
                     if budget is not None and ledger.device_total + placement.nbytes > budget:
                         continue  # the policy's plan no longer fits: skip, the op will promote
-                    self.prefetch(placement, batch)
+                    if id(placement) not in lost:
+                        self.prefetch(placement, batch, checked=True)
         finally:
             self._submit(batch)
 

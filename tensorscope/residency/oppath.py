@@ -276,14 +276,26 @@ class OpPath:
             recorder = manager.recorder()
             cadence = manager.cadence
             horizon = None
+            busy = (*operands, *results)
+            key = None
             if budget is not None and cadence.coarse(policy, budget, recorder):
                 if not results and cadence.skips(clock, moved):
                     cadence.passed(clock)
                     return
                 horizon = cadence.decided(recorder, ledger, budget, clock)
+                key = cadence.key(
+                    recorder.position,
+                    ledger,
+                    tuple(p.uid for p in busy),
+                    manager.pace.read_rate,
+                )
+                remembered = cadence.recall(key)
+                if remembered is not None:
+                    manager.apply(remembered)
+                    manager._room.notify_all()
+                    return
             elif cadence.decide_at:
                 cadence.every_op()
-            busy = (*operands, *results)
             for placement in busy:  # the policy sees them as in use while it decides
                 placement.pins += 1
             try:
@@ -310,6 +322,8 @@ class OpPath:
             finally:
                 for placement in busy:
                     placement.pins -= 1
+            if key is not None:
+                cadence.remember(key, actions)
             manager.apply(actions)
             manager._room.notify_all()
 

@@ -13,8 +13,10 @@ from torch import nn
 
 import tensorscope as ts
 from tensorscope.graph.analysis import decision_points
-from tensorscope.policies import Entry, Flow, OpView, Snapshot
+from tensorscope.policies import Action, Entry, Flow, OpView, Snapshot
 from tensorscope.residency import native
+from tensorscope.residency.cadence import Cadence
+from tensorscope.residency.manager import ResidencyManager
 from tensorscope.residency.pace import Pace
 from tensorscope.residency.prefetch import Prefetcher
 
@@ -39,16 +41,30 @@ def _weights(model: nn.Module) -> int:
 
 
 def _decisions(monkeypatch: pytest.MonkeyPatch) -> list[int]:
-    """The manager clocks at which Flow.after_op runs from now on."""
+    """The manager clocks at which the policy's decision is applied from now on (decided by
+    Flow, or remembered from an earlier iteration: cadence.py)."""
     clocks: list[int] = []
+    original = ResidencyManager.apply
+
+    def apply(self: ResidencyManager, actions: list[Action]) -> None:
+        clocks.append(self.clock)
+        original(self, actions)
+
+    monkeypatch.setattr(ResidencyManager, "apply", apply)
+    return clocks
+
+
+def _flow_calls(monkeypatch: pytest.MonkeyPatch) -> list[list[Action]]:
+    """The actions of each call to Flow.after_op from now on."""
+    calls: list[list[Action]] = []
     original = Flow.after_op
 
-    def after_op(self: Flow, op: OpView) -> list[Any]:
-        clocks.append(-1 if op.snapshot is None else op.snapshot.clock)
-        return original(self, op)
+    def after_op(self: Flow, op: OpView) -> list[Action]:
+        calls.append(original(self, op))
+        return calls[-1]
 
     monkeypatch.setattr(Flow, "after_op", after_op)
-    return clocks
+    return calls
 
 
 def _streamed(policy: Flow, monkeypatch: pytest.MonkeyPatch) -> tuple[list[int], list[Any], int]:
@@ -103,6 +119,46 @@ def test_streamed_weights_decide_at_points_not_after_every_op(
     assert 3 * 8 <= len(steady) <= 3 * 24, len(steady)
     # The first forward has no prediction: it decides after every op.
     assert len([c for c in clocks if c <= per_iteration]) == per_iteration
+
+
+def test_a_decision_in_a_state_seen_before_is_remembered_not_recomputed(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # The same forward again: each point meets the state of the iteration before, and applies
+    # the same actions Flow chose there, without asking it again.
+    applied: list[list[tuple[str, Any]]] = []
+    original = ResidencyManager.apply
+
+    def apply(self: ResidencyManager, actions: list[Action]) -> None:
+        # By parameter name: a second run's placements have other uids.
+        applied.append([(a.kind, self.ledger.by_uid[a.key].role[1]) for a in actions])
+        original(self, actions)
+
+    monkeypatch.setattr(ResidencyManager, "apply", apply)
+    flow_calls = _flow_calls(monkeypatch)
+    recalled: list[bool] = []
+    recall = Cadence.recall
+
+    def counted(self: Cadence, key: Any) -> list[Action] | None:
+        found = recall(self, key)
+        recalled.append(found is not None)
+        return found
+
+    monkeypatch.setattr(Cadence, "recall", counted)
+    _, outputs, _ = _streamed(Flow(), monkeypatch)
+    assert all(torch.equal(a, b) for a, b in zip(outputs, _plain(), strict=True))
+    assert sum(recalled) > 0 and recalled[-1]  # the last forward's points are all recalled
+    assert len(flow_calls) + sum(recalled) == len(applied)
+    # A recalled plan is what Flow answers in that state: the same run with no memory.
+    decided = list(applied)
+    assert any(decided[-len(decided) // 6 :])  # the last forward moves weights
+    applied.clear()
+    asked = len(flow_calls)
+    monkeypatch.setattr(Cadence, "recall", lambda self, key: None)
+    ts.residency.reset()
+    _streamed(Flow(), monkeypatch)
+    assert applied == decided
+    assert len(flow_calls) - asked == len(decided)  # asked at every point this time
 
 
 def test_a_fixed_prefetch_limit_decides_after_every_op(monkeypatch: pytest.MonkeyPatch) -> None:
