@@ -8,8 +8,11 @@ from __future__ import annotations
 
 from bisect import bisect_right
 from collections.abc import Callable, Hashable, Sequence
+from typing import TypeVar
 
 __all__ = ["NextUse", "decision_points", "next_use_table"]
+
+K = TypeVar("K", bound=Hashable)  # a tensor's key in a trace (a role)
 
 
 def next_use_table(ops: Sequence[Sequence[Hashable]]) -> dict[Hashable, list[int]]:
@@ -74,7 +77,7 @@ class NextUse:
 
 
 def decision_points(
-    ops: Sequence[Sequence[Hashable]], nbytes: Callable[[Hashable], int], stride: int
+    ops: Sequence[Sequence[K]], nbytes: Callable[[K], int], stride: int
 ) -> list[int]:
     """Op indices that cut an iteration into stretches of about ``stride`` bytes of tensors
     first used there: where a policy deciding coarsely decides (see residency/cadence.py).
@@ -88,7 +91,7 @@ def decision_points(
         [0, 3]
     """
     points = [0] if ops else []
-    seen: set[Hashable] = set()
+    seen: set[K] = set()
     filled = 0
     for index, keys in enumerate(ops):
         for key in keys:

@@ -131,7 +131,8 @@ def test_a_decision_in_a_state_seen_before_is_remembered_not_recomputed(
 
     def apply(self: ResidencyManager, actions: list[Action]) -> None:
         # By parameter name: a second run's placements have other uids.
-        applied.append([(a.kind, self.ledger.by_uid[a.key].role[1]) for a in actions])
+        roles: list[Any] = [self.ledger.by_uid[a.key].role for a in actions]
+        applied.append([(a.kind, role[1]) for a, role in zip(actions, roles, strict=True)])
         original(self, actions)
 
     monkeypatch.setattr(ResidencyManager, "apply", apply)
