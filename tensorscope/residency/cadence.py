@@ -20,8 +20,12 @@
 # A decision at a point is also remembered: the same point of a later iteration, in the same
 # state (the same placements resident, the same device bytes counted, the same operands, the
 # disk's read rate within a factor of two), applies the same actions without a snapshot or a
-# call to Flow. Flow keeps no state of its own: its answer depends on that snapshot only, the
-# pace's estimates aside. Apply checks each action against the budget and the pins as ever.
+# call to Flow. Flow keeps no state of its own; its answer depends on that snapshot, and on the
+# pace where the disk is slow: then the measured read rate and compute time ask for more than
+# the horizon, and for more or less from one iteration to the next. Such a decision is made
+# afresh each time; only one that asks for no more than the horizon (or, with nothing due
+# there, for the next placement only: what Flow asks for at any pace) is remembered. Apply
+# checks each action against the budget and the pins, as ever.
 """
 
 from __future__ import annotations
@@ -32,7 +36,7 @@ from collections.abc import Hashable
 
 from tensorscope.graph.analysis import NextUse, decision_points
 from tensorscope.graph.record import Recorder
-from tensorscope.policies import Action, Flow, Policy
+from tensorscope.policies import Action, Flow, Policy, Snapshot
 from tensorscope.residency import native
 from tensorscope.residency.ledger import Ledger
 
@@ -104,7 +108,19 @@ class Cadence:
         """The actions decided before in the state ``key``, or None."""
         return self._plans.get(key)
 
-    def remember(self, key: DecisionKey, actions: list[Action]) -> None:
+    def remember(self, key: DecisionKey, actions: list[Action], snapshot: Snapshot) -> None:
+        """Keep ``actions`` for ``key`` unless the pace chose some of them (the NOTE)."""
+        horizon = -1 if snapshot.horizon is None else snapshot.horizon
+        upcoming = snapshot.upcoming
+        due = 0  # as Flow.window counts them
+        while due < len(upcoming):
+            use = upcoming[due].next_use
+            if use is None or use > horizon:
+                break
+            due += 1
+        asked = {e.key for e in upcoming[: max(due, 1)]}
+        if any(a.kind == "prefetch" and a.key not in asked for a in actions):
+            return
         plans = self._plans
         if len(plans) >= _PLANS_PER_POINT * max(1, len(self._points)):
             plans.clear()  # states that do not repeat: start over rather than grow

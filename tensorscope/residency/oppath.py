@@ -58,6 +58,19 @@ _OVERWRITES = frozenset(
 )
 
 
+_NAMES: dict[Any, str] = {}  # op -> str(op), for messages and policies (a few us each time)
+
+
+def _name(func: Any) -> str:
+    try:
+        name = _NAMES.get(func)
+    except TypeError:  # not hashable: not an OpOverload
+        return str(func)
+    if name is None:
+        name = _NAMES[func] = str(func)
+    return name
+
+
 def _overwritten(func: Any, args: tuple[Any, ...]) -> int | None:
     """The storage an op overwrites whole without reading it (``copy_`` into a whole tensor,
     ``fill_``...): its bytes may be lost (``Movers.replace_lost``). None for any other op."""
@@ -163,7 +176,7 @@ class OpPath:
             manager._since_sweep += 1
             if manager._since_sweep >= _SWEEP_EVERY:
                 manager.sweep()
-            name = str(func)
+            name = _name(func)
             need = sum(p.nbytes for p in operands) + estimate - slack
             manager.check_fits(need, f"op {name} (operands and results)")
             budget = manager.budget_bytes
@@ -283,12 +296,8 @@ class OpPath:
                     cadence.passed(clock)
                     return
                 horizon = cadence.decided(recorder, ledger, budget, clock)
-                key = cadence.key(
-                    recorder.position,
-                    ledger,
-                    tuple(p.uid for p in busy),
-                    manager.pace.read_rate,
-                )
+                busy_uids = tuple(p.uid for p in busy)
+                key = cadence.key(recorder.position, ledger, busy_uids, manager.pace.read_rate)
                 remembered = cadence.recall(key)
                 if remembered is not None:
                     manager.apply(remembered)
@@ -313,7 +322,7 @@ class OpPath:
                         horizon,
                     )
                 view = OpView(
-                    str(func),
+                    _name(func),
                     tuple(p.uid for p in operands),
                     tuple(p.uid for p in results),
                     snapshot,
@@ -322,8 +331,8 @@ class OpPath:
             finally:
                 for placement in busy:
                     placement.pins -= 1
-            if key is not None:
-                cadence.remember(key, actions)
+            if key is not None and snapshot is not None:
+                cadence.remember(key, actions, snapshot)
             manager.apply(actions)
             manager._room.notify_all()
 

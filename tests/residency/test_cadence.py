@@ -162,6 +162,31 @@ def test_a_decision_in_a_state_seen_before_is_remembered_not_recomputed(
     assert len(flow_calls) - asked == len(decided)  # asked at every point this time
 
 
+def test_a_decision_the_pace_chose_is_not_remembered() -> None:
+    # Upcoming placements used at ops 3, 5 and 9; the next decision point's horizon is op 5.
+    upcoming = tuple(
+        Entry(k, 10, "disk", -1, use, False, 1.0) for k, use in ((1, 3), (2, 5), (3, 9))
+    )
+    snapshot = Snapshot(1000, 0, 0, (), upcoming, read_rate=1e9, horizon=5)
+    empty = Snapshot(1000, 0, 0, (), upcoming[2:], read_rate=1e9, horizon=5)
+    cadence = Cadence()
+    due = [Action("prefetch", 1), Action("prefetch", 2)]
+    paced = [*due, Action("prefetch", 3)]  # a slow disk asks for op 9's placement now too
+    cadence.remember((0, 0, 0, (), 0), due, snapshot)
+    cadence.remember((1, 0, 0, (), 0), paced, snapshot)
+    cadence.remember((2, 0, 0, (), 0), [Action("prefetch", 3)], empty)  # the next one only
+    cadence.remember((3, 0, 0, (), 0), [Action("demote", 7)], snapshot)
+    assert cadence.recall((0, 0, 0, (), 0)) == due
+    assert cadence.recall((1, 0, 0, (), 0)) is None
+    assert cadence.recall((2, 0, 0, (), 0)) == [Action("prefetch", 3)]
+    assert cadence.recall((3, 0, 0, (), 0)) == [Action("demote", 7)]
+    # The key: the read rate by its octave, with the state and the operands.
+    ledger: Any = type("L", (), {"resident_print": 5, "device_total": 7})()
+    assert Cadence.key(4, ledger, (1,), 3e9) == Cadence.key(4, ledger, (1,), 3.5e9)
+    assert Cadence.key(4, ledger, (1,), 3e9) != Cadence.key(4, ledger, (1,), 7e9)
+    assert Cadence.key(4, ledger, (1,), None) != Cadence.key(4, ledger, (2,), None)
+
+
 def test_a_fixed_prefetch_limit_decides_after_every_op(monkeypatch: pytest.MonkeyPatch) -> None:
     clocks, outputs, ops = _streamed(Flow(prefetch_limit=2), monkeypatch)
     assert all(torch.equal(a, b) for a, b in zip(outputs, _plain(), strict=True))
