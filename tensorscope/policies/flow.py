@@ -29,6 +29,18 @@ def _distance(entry: Entry) -> int:
     return _NEVER if entry.next_use is None else entry.next_use
 
 
+def due_count(snapshot: Snapshot) -> int:
+    """How many of ``snapshot.upcoming`` are used up to its horizon: before the manager decides
+    again (residency/cadence.py), so Flow asks for them at any pace."""
+    horizon = snapshot.horizon
+    upcoming = snapshot.upcoming
+    due = 0
+    if horizon is not None:
+        while due < len(upcoming) and _distance(upcoming[due]) <= horizon:
+            due += 1
+    return due
+
+
 class Flow:
     """Belady eviction with the previous iteration as the oracle, plus prefetching.
 
@@ -84,11 +96,7 @@ class Flow:
         upcoming = snapshot.upcoming
         if self.prefetch_limit is not None:
             return upcoming[: self.prefetch_limit]
-        horizon = snapshot.horizon
-        due = 0  # used before the manager decides again: asked for now, whatever the pace
-        if horizon is not None:
-            while due < len(upcoming) and _distance(upcoming[due]) <= horizon:
-                due += 1
+        due = due_count(snapshot)  # asked for now, whatever the pace
         rate = snapshot.read_rate
         if rate is None or not upcoming or any(e.eta is None for e in upcoming):
             return upcoming[: max(due, _UNMEASURED_DEPTH)]

@@ -37,6 +37,7 @@ from collections.abc import Hashable
 from tensorscope.graph.analysis import NextUse, decision_points
 from tensorscope.graph.record import Recorder
 from tensorscope.policies import Action, Flow, Policy, Snapshot
+from tensorscope.policies.flow import due_count
 from tensorscope.residency import native
 from tensorscope.residency.ledger import Ledger
 
@@ -110,15 +111,7 @@ class Cadence:
 
     def remember(self, key: DecisionKey, actions: list[Action], snapshot: Snapshot) -> None:
         """Keep ``actions`` for ``key`` unless the pace chose some of them (the NOTE)."""
-        horizon = -1 if snapshot.horizon is None else snapshot.horizon
-        upcoming = snapshot.upcoming
-        due = 0  # as Flow.window counts them
-        while due < len(upcoming):
-            use = upcoming[due].next_use
-            if use is None or use > horizon:
-                break
-            due += 1
-        asked = {e.key for e in upcoming[: max(due, 1)]}
+        asked = {e.key for e in snapshot.upcoming[: max(due_count(snapshot), 1)]}
         if any(a.kind == "prefetch" and a.key not in asked for a in actions):
             return
         plans = self._plans
