@@ -217,8 +217,20 @@ class BlockRun:
         return time.perf_counter()
 
     def follows(self, x: torch.Tensor) -> bool:
-        """Whether ``x`` is the hidden state the previous block returned."""
-        return self.alias is not None and self.alias() is x
+        """Whether ``x`` is the hidden state the previous block returned, or a whole view of it
+        (a full backward hook on a block passes its input through an identity Function, which
+        hands the forward a view of the same elements)."""
+        alias = self.alias() if self.alias is not None else None
+        if alias is None:
+            return False
+        if alias is x:
+            return True
+        return (
+            x._base is alias
+            and x.shape == alias.shape
+            and x.stride() == alias.stride()
+            and x.storage_offset() == alias.storage_offset()
+        )
 
     def _input(self, k: int) -> torch.Tensor:
         return self.plain[k] if k in self.plain else self.outs[k]
