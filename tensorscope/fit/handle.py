@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from tensorscope import _step_hooks
+from tensorscope._copies import leave_out_of_copies
 from tensorscope._units import format_bytes, parse_bytes
 from tensorscope.checkpoint.blocks import CheckpointedChain, checkpoint_chain
 from tensorscope.checkpoint.offloaded import OFFLOAD_MIN_BYTES, OffloadModel
@@ -195,6 +196,7 @@ class Fit:
         plan_hooks.install()  # NOTE [the step boundary]: before any recording opens in a hook
         self._handles.append(model.register_forward_pre_hook(self._before, with_kwargs=True))
         self._handles.append(model.register_forward_hook(self._after_forward, always_call=True))
+        self._handles.append(leave_out_of_copies(model, self._handles[-2:]))  # _copies.py
         self._loss = threading.local()  # this thread's LossMode stack (fit/loss.py)
         self.loss_routed = 0
         self.loss_shape: tuple[int, ...] = ()
