@@ -16,6 +16,7 @@ from tensorscope.errors import FitWarning, ResidencyError
 from tensorscope.fit.inbackward import KNOWN_OPTIMIZERS, narrowed
 from tensorscope.fit.offload_rules import Bandwidth
 from tensorscope.fit.offload_store import Store, make_store, measure_store
+from tensorscope.fit.placeholders import placeholder_of
 from tensorscope.fit.rows import row_ranges
 
 __all__ = ["MIN_SPILL_BYTES", "StateStore", "per_parameter_state_bytes", "row_safe"]
@@ -291,9 +292,7 @@ class StateStore:
                     copy = store.finish(storage, store.begin(storage))  # raises: stays resident
                 else:
                     blocks = self._write_blocks(store, value, ranges)
-                placeholder = torch.empty_strided(
-                    value.shape, value.stride(), dtype=value.dtype, device="meta"
-                )
+                placeholder = placeholder_of(value, self._copy_of, (id(p), key))
                 self._spilled[(id(p), key)] = _Spilled(
                     placeholder,
                     copy,
@@ -382,6 +381,18 @@ class StateStore:
         tensor.set_(loaded, record.storage_offset, value.shape, value.stride())
         self.bytes_read += record.nbytes
         return tensor
+
+    def _copy_of(self, key: Any, placeholder: torch.Tensor) -> torch.Tensor | None:
+        """A copy of the value ``placeholder`` stands for (NOTE [copies of state in the next
+        tier], placeholders.py); None when it stands for nothing any more."""
+        record = self._spilled.get(key)
+        if record is None or record.placeholder is not placeholder:
+            return None
+        read = self.bytes_read
+        try:
+            return self._read(record)
+        finally:
+            self.bytes_read = read  # a copy of the user's, not a step's traffic
 
     def update_in_rows(self, p: torch.Tensor, step_one: Callable[[torch.Tensor], None]) -> bool:
         """Run ``p``'s update block by block when its state is written in row blocks
