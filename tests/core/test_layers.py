@@ -28,7 +28,8 @@ LAYERS: list[tuple[str, ...]] = [
     ("_plain", "_reach"),  # plain-tensor protocols of refs; tensors reachable from a value
     ("ref",),  # TensorRef, disposal
     # torch.optim step hooks; torch entry points that keep state; torch.compile'd outputs
-    ("_optimizer", "_keepers", "_compiled"),
+    # user-requested aliases of refs (aten.alias, aten.detach, torch.detach)
+    ("_optimizer", "_keepers", "_compiled", "_aliases"),
     ("_adopt", "_leaks"),  # how results become refs (both engines); the leak report
     ("_fallback",),  # the scope key's kernels: the Python engine, shared fallthroughs
     ("_intercept",),  # the residency manager's dispatch mode; hooks installed once
