@@ -1,5 +1,5 @@
-"""Aliases user code asks for: ``torch.ops.aten.alias``, ``torch.ops.aten.detach`` and
-``torch.detach`` of a ref give a ref, as ``ref.detach()`` does.
+"""Aliases user code asks for: inside a scope, ``torch.ops.aten.alias``, ``torch.ops.aten.detach``
+and ``torch.detach`` of a ref give a ref of the scope, as views do.
 
 # NOTE [aliases user code asks for]
 # ``detach`` and ``alias`` fall through the scope engines' dispatch key (_adopt.py's NOTE): C
@@ -8,16 +8,19 @@
 # engine can tell their calls from a user's there. A user's call of the raw op comes through
 # Python first: the op objects ``torch.ops.aten.alias`` / ``.default`` (and ``detach``'s) and
 # the function ``torch.detach``. So those are where a user-requested alias of a ref becomes a
-# ref (API §2: views of refs are refs), by the rule of ``TensorRef.detach`` (ref.py's
-# ``own_alias``): owned by the current scope, unowned outside scopes. The op objects keep their
-# identity (dispatch modes, FX graphs and decomposition tables hold them; their hash is the C
-# op's): their class is switched to a subclass whose ``__call__`` runs torch's and then owns a
-# plain result of a ref -- as ``torch.frombuffer`` is wrapped (_intercept.py), once, when the
-# first scope or ``ts.manage`` opens. C++ callers of ``at::alias``/``at::detach`` never pass
-# here, so torch's own uses and both engines' fast paths are as before. While torch.compile
-# traces, nothing is owned (compiled graphs own their outputs: _compiled.py).
+# ref (API §2: inside a scope, views and alias-like ops of refs are refs), by the rules of any
+# op result (_adopt.py): owned by the innermost scope, plain where no scope owns results (no
+# scope open, an optimizer step, a state maker's call), as a view of a ref is. (``ref.detach()``
+# alone gives an unowned ref outside scopes, for ``nn.Parameter(ref)``: ref.py.) The op objects
+# keep their identity (dispatch modes, FX graphs and decomposition tables hold them; their hash
+# is the C op's): their class is switched to a subclass whose ``__call__`` runs torch's and
+# then owns a plain result of a ref -- as ``torch.frombuffer`` is wrapped (_intercept.py),
+# once, when the first scope or ``ts.manage`` opens. C++ callers of ``at::alias`` and
+# ``at::detach`` never pass here, so torch's own uses and both engines' fast paths are as
+# before. While torch.compile traces, nothing is owned (compiled graphs own their outputs:
+# _compiled.py).
 
-Layer 8: imports only layers 0-7.
+Layer 10: imports only layers 0-9.
 """
 
 from __future__ import annotations
@@ -28,9 +31,11 @@ from typing import Any
 import torch
 from torch._ops import OpOverload, OpOverloadPacket
 
-from tensorscope.ref import TensorRef, own_alias
+from tensorscope._adopt import adopt
+from tensorscope._thread import owning_scope, thread_state
+from tensorscope.ref import TensorRef
 
-__all__ = ["install", "installed"]
+__all__ = ["install"]
 
 _OPS = ("alias", "detach")
 _ORIGINAL_DETACH = torch.detach
@@ -43,7 +48,10 @@ def _owned(args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> Any:
         and type(out) is torch.Tensor
         and not torch.compiler.is_compiling()
     ):
-        own_alias(out, 3)
+        state = thread_state()
+        scope = owning_scope(state)
+        if scope is not None:
+            adopt(out, scope, state.counters)
     return out
 
 
@@ -64,11 +72,6 @@ class _OwningOverload(OpOverload):
 @functools.wraps(_ORIGINAL_DETACH)
 def _detach(*args: Any, **kwargs: Any) -> Any:
     return _owned(args, kwargs, _ORIGINAL_DETACH(*args, **kwargs))
-
-
-def installed() -> bool:
-    """Whether user-requested aliases of refs are refs now."""
-    return type(torch.ops.aten.alias) is _OwningPacket
 
 
 def install() -> None:

@@ -81,7 +81,6 @@ __all__ = [
     "TensorRef",
     "dispose",
     "dispose_states",
-    "own_alias",
     "ref",
     "release_pending",
     "stock_stand_ins",
@@ -260,7 +259,13 @@ class TensorRef(PlainTensorProtocols, ResidencyMethods, torch.Tensor):  # type: 
         """
         out = torch.Tensor.detach(self)
         if type(out) is torch.Tensor:
-            own_alias(out, 2)
+            out.__class__ = TensorRef
+            state = thread_state()
+            site = capture_site(1)
+            if isinstance(site, NotOwned) or tracing():
+                register_ref(out, None, user_site(1), state.counters)
+            else:
+                register_ref(out, owning_scope(state), site, state.counters)
         return out
 
     # ----------------------------------------- nn.Parameter / nn.Buffer made from a ref
@@ -285,19 +290,6 @@ class TensorRef(PlainTensorProtocols, ResidencyMethods, torch.Tensor):  # type: 
         if value:
             _convert(self, torch.Tensor)
             self.__dict__["_is_buffer"] = True
-
-
-def own_alias(out: torch.Tensor, skip: int = 1) -> None:
-    """Make ``out``, a fresh plain alias of a ref, a ref as ``TensorRef.detach`` does: owned by
-    the current scope (unowned outside scopes, or where a state maker made it). ``skip``: frames
-    between the caller of the alias and here (for the creation site)."""
-    out.__class__ = TensorRef
-    state = thread_state()
-    site = capture_site(skip)
-    if isinstance(site, NotOwned) or tracing():
-        register_ref(out, None, user_site(skip), state.counters)
-    else:
-        register_ref(out, owning_scope(state), site, state.counters)
 
 
 class DisposedTensor(TensorRef):

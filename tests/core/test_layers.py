@@ -28,10 +28,11 @@ LAYERS: list[tuple[str, ...]] = [
     ("_plain", "_reach"),  # plain-tensor protocols of refs; tensors reachable from a value
     ("ref",),  # TensorRef, disposal
     # torch.optim step hooks; torch entry points that keep state; torch.compile'd outputs
-    # user-requested aliases of refs (aten.alias, aten.detach, torch.detach)
-    ("_optimizer", "_keepers", "_compiled", "_aliases"),
+    ("_optimizer", "_keepers", "_compiled"),
     ("_adopt", "_leaks"),  # how results become refs (both engines); the leak report
-    ("_fallback",),  # the scope key's kernels: the Python engine, shared fallthroughs
+    # the scope key's kernels: the Python engine, shared fallthroughs; aliases user code asks
+    # for by name (aten.alias, aten.detach, torch.detach), which fall through the key
+    ("_fallback", "_aliases"),
     ("_intercept",),  # the residency manager's dispatch mode; hooks installed once
     ("scope",),  # DisposeScope, statistics
     ("residency", "empty_init"),  # the residency manager package; meta-device construction

@@ -1,6 +1,6 @@
 """Aliases user code asks for by name -- ``torch.ops.aten.alias``, ``torch.ops.aten.detach`` (the
-op packets and their ``.default`` overloads) and ``torch.detach`` -- of a ref are refs, as
-``ref.detach()`` and views are (API §2), while torch's own C uses of ``alias``/``detach``
+op packets and their ``.default`` overloads) and ``torch.detach`` -- of a ref inside a scope
+are refs of the scope, as views are (API §2), while torch's own C uses of ``alias``/``detach``
 (``nn.Parameter``, ``as_subclass``, ``_make_subclass``, ``numpy()``) keep working on refs
 (_aliases.py, NOTE [aliases user code asks for])."""
 
@@ -56,11 +56,13 @@ def test_an_alias_of_a_plain_tensor_or_a_parameter_stays_plain(name: str) -> Non
 
 
 @pytest.mark.parametrize("name", list(ALIASES))
-def test_outside_scopes_an_alias_of_a_ref_is_an_unowned_ref(name: str) -> None:
-    u = ts.ref(torch.ones(3))
-    a = ALIASES[name](u)
-    assert type(a) is ts.TensorRef and a.scope is None and not a.is_disposed
-    assert type(u.detach()) is ts.TensorRef  # the same rule as ``ref.detach()``
+def test_where_no_scope_owns_results_an_alias_of_a_ref_is_plain(name: str) -> None:
+    with ts.scope():  # the aliases are owned from the first scope on (installed there)
+        u = torch.ones(3).detach_from_scope()
+    assert type(u) is ts.TensorRef
+    assert type(ALIASES[name](u)) is torch.Tensor  # as every op on a ref outside scopes
+    assert type(u.view(3)) is torch.Tensor
+    assert type(u.detach()) is ts.TensorRef  # ``detach()`` alone: for ``nn.Parameter(ref)``
 
 
 def test_an_alias_keeps_autograd() -> None:
