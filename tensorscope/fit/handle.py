@@ -322,6 +322,7 @@ class Fit:
             # NOTE [a full disk] (statestore.py): the state stayed in memory this step
             self.notes.append(f"step {self.steps}: {states.off}; decided again without")
             states.disable()
+            self.decision = None
             self._apply(self.plan_before, self._inb is not None)
             return
         if kind == "before" and plan is not None:
@@ -619,6 +620,7 @@ class Fit:
             states.spill_or_warn(dict(self.optimizer.state))
             if states.off:  # NOTE [a full disk] (statestore.py): decided again without
                 states.disable()
+                self.decision = None
                 self._apply(plan, free_gradients)
                 return
         elif self._states is not None:

@@ -161,6 +161,7 @@ def test_a_disk_that_fills_up_when_nothing_else_fits_raises_a_schedule_error(
     step(ref, ropt, next(theirs), seed=3, clip=clip)
     assert not differing(model, ref)  # the step ran whole; nothing was lost
     assert _state_devices(opt) == {"cpu"}
+    assert fit.decision is None and "no plan: " in fit.explain()
     with pytest.raises(ScheduleError):
         step(model, opt, next(mine), seed=4, clip=clip)
     fit.remove()
