@@ -25,7 +25,7 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from tensorscope import _compiled, _fallback, _keepers, _optimizer
+from tensorscope import _aliases, _compiled, _fallback, _keepers, _optimizer
 from tensorscope._adopt import accumulate_grad_leaf, adopt, adopt_at, adopt_fresh, adopt_result
 from tensorscope._engine import FAST
 from tensorscope._sites import capture_site, site_verdicts
@@ -164,6 +164,7 @@ def _install_global_hooks() -> None:
     _keepers.install()
     # torch.frombuffer is the one creator that bypasses the dispatcher (DESIGN.md).
     torch.frombuffer = _frombuffer
+    _aliases.install()  # NOTE [aliases user code asks for]
     _skip_our_frames_in_dynamo()
     treat_as_plain_for_tracing(TensorRef)
     _fallback.install(python_engine=FAST is None)

@@ -17,6 +17,7 @@ import torch
 from torch import nn
 from typing_extensions import Self
 
+from tensorscope._copies import MISSING, Attached, leave_out_of_copies
 from tensorscope._units import format_bytes, parse_bytes
 from tensorscope.checkpoint.blockprobe import BlockProbe, every_block_ops, retimed
 from tensorscope.checkpoint.blockrun import (
@@ -117,10 +118,13 @@ class CheckpointedChain:
         self.placer: Placer | None = None  # where the blocks' parameters are between uses
         self._saved: list[tuple[nn.Module, object]] = []
         self._forwards: list[Callable[..., Any]] = []
+        self._kept_out: list[Attached] = []  # NOTE [copies of a module we attached to]
         for k, block in enumerate(self.blocks):
-            self._saved.append((block, block.__dict__.get("forward", _MISSING)))
+            previous = block.__dict__.get("forward", _MISSING)
+            self._saved.append((block, previous))
             self._forwards.append(block.forward)
             block.forward = _Dispatch(self, k)
+            self._kept_out.append(leave_out_of_copies(block, attrs={"forward": previous}))
 
     @property
     def stages(self) -> tuple[nn.Module, ...]:
@@ -133,6 +137,8 @@ class CheckpointedChain:
         """Give every block its own ``forward`` back (idempotent); the model is as before."""
         if self.removed:
             return
+        while self._kept_out:
+            self._kept_out.pop().remove()
         for block, previous in self._saved:
             if previous is _MISSING:
                 block.__dict__.pop("forward", None)
@@ -405,7 +411,7 @@ class CheckpointedChain:
         )
 
 
-_MISSING = object()
+_MISSING = MISSING
 
 
 class _Dispatch:

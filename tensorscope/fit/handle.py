@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from tensorscope import _step_hooks
+from tensorscope._copies import leave_out_of_copies
 from tensorscope._units import format_bytes, parse_bytes
 from tensorscope.checkpoint.blocks import CheckpointedChain, checkpoint_chain
 from tensorscope.checkpoint.offloaded import OFFLOAD_MIN_BYTES, OffloadModel
@@ -195,6 +196,7 @@ class Fit:
         plan_hooks.install()  # NOTE [the step boundary]: before any recording opens in a hook
         self._handles.append(model.register_forward_pre_hook(self._before, with_kwargs=True))
         self._handles.append(model.register_forward_hook(self._after_forward, always_call=True))
+        self._handles.append(leave_out_of_copies(model, self._handles[-2:]))  # _copies.py
         self._loss = threading.local()  # this thread's LossMode stack (fit/loss.py)
         self.loss_routed = 0
         self.loss_shape: tuple[int, ...] = ()
@@ -315,6 +317,14 @@ class Fit:
         self.steps += 1
         kind = self._recording_kind if self._recording is not None else ""
         plan = self._close()
+        states = self._states
+        if states is not None and states.enabled and states.off and self.plan_before is not None:
+            # NOTE [a full disk] (statestore.py): the state stayed in memory this step
+            self.notes.append(f"step {self.steps}: {states.off}; decided again without")
+            states.disable()
+            self.decision = None
+            self._apply(self.plan_before, self._inb is not None)
+            return
         if kind == "before" and plan is not None:
             self.plan_before = plan
             self._decide_now()
@@ -405,7 +415,9 @@ class Fit:
         if free_gradients:
             bases.append(step_base(plan, paths, free_gradients=True, **where))
         one, tensors = per_parameter_state_bytes(self.optimizer)
-        if one and not self._managed():  # ts.manage places the state itself: never both
+        # ts.manage places the state itself: never both; None: the next tier cannot be written
+        bandwidth = self._state_bandwidth() if one and not self._managed() else None
+        if bandwidth is not None:
             block = ROW_BLOCK_BYTES if self._row_safe() else 0
             for base in list(bases):
                 moved = step_base(
@@ -418,7 +430,7 @@ class Fit:
                     **(where if base.free_gradients else {}),
                 )
                 if moved.offloaded_bytes:
-                    seconds = self._state_bandwidth().seconds(moved.offloaded_bytes, tensors)
+                    seconds = bandwidth.seconds(moved.offloaded_bytes, tensors)
                     bases.append(dataclasses.replace(moved, seconds=moved.seconds + seconds))
         if extra_s:
             bases = [
@@ -474,11 +486,13 @@ class Fit:
     def _row_safe(self) -> bool:
         return self.optimizer_note is None and row_safe(self.optimizer)
 
-    def _state_bandwidth(self) -> Bandwidth:
-        if self._bandwidth is None:
+    def _state_bandwidth(self) -> Bandwidth | None:
+        """The next tier's; None when it cannot be written (statestore.py NOTE [a full disk])."""
+        states = self._state_store()
+        if self._bandwidth is None and not states.off:
             device = next((p.device for p in parameters_of(self.optimizer)), torch.device("cpu"))
-            self._bandwidth = self._state_store().measure(device)
-        return self._bandwidth
+            self._bandwidth = states.measure(device)
+        return None if states.off else self._bandwidth
 
     def _offload_model(self) -> OffloadModel | None:
         """What offloading each block's saved tensors moves (measured in the first step) and
@@ -490,6 +504,8 @@ class Fit:
         if not any(layer.offload_nbytes for layer in layers):
             return None
         bandwidth = self._state_bandwidth()
+        if bandwidth is None:  # the next tier cannot be written (a full disk)
+            return None
         self._offload_tier = bandwidth.tier
         return OffloadModel(
             tuple(layer.offload_nbytes for layer in layers),
@@ -504,11 +520,14 @@ class Fit:
             return None
         if self._offloader is None:
             device = next((p.device for p in parameters_of(self.optimizer)), torch.device("cpu"))
-            self._offloader = ActivationOffloader(
-                device,
-                min_bytes=OFFLOAD_MIN_BYTES,
-                max_in_flight_bytes=max(1, model.in_flight_nbytes),
-            )
+            try:
+                self._offloader = ActivationOffloader(
+                    device,
+                    min_bytes=OFFLOAD_MIN_BYTES,
+                    max_in_flight_bytes=max(1, model.in_flight_nbytes),
+                )
+            except ResidencyError as exc:  # its files cannot be made (a full disk)
+                self._offload_off = f"the {self._offload_tier} tier cannot be written: {exc}"
         return self._offloader
 
     def _state_store(self) -> StateStore:
@@ -552,13 +571,15 @@ class Fit:
         offload = self._offload_model() if measured else None
 
         def decide_with(bases: list[StepBase]) -> Decision:
+            off = self._states.off if self._states is not None else ""  # NOTE [a full disk]
             return decide(
                 budget,
                 bases,
                 chain.profile.to_chain() if measured and chain and chain.profile else None,
                 reserve=chain.reserved_nbytes if measured and chain else 0,
                 slots=chain.slots if chain is not None else 500,
-                what=f"a training step of {type(self.model).__name__}",
+                what=f"a training step of {type(self.model).__name__}"
+                + (f" with the optimizer state in memory ({off})" if off else ""),
                 offload=offload,
             )
 
@@ -573,7 +594,11 @@ class Fit:
             if measured and chain is not None:
                 chain.loss_tmp_nbytes = decision.chosen.base.loss_tmp
                 blocks = decision.chosen.offloaded
-                chain.set_offload(self._activation_offloader(offload, blocks), offload, blocks)
+                offloader = self._activation_offloader(offload, blocks)
+                if blocks and offloader is None:  # its tier cannot be written: without offload
+                    self._apply(plan, free_gradients)
+                    return
+                chain.set_offload(offloader, offload, blocks)
                 chain.compute_sequence(decision.chosen.chain_limit)
         except ScheduleError as exc:
             self._error, self._state = exc, "failed"
@@ -592,7 +617,12 @@ class Fit:
             states.enabled = True
             states.stepwise = stepwise
             states.set_row_block(ROW_BLOCK_BYTES if in_rows and self._row_safe() else 0)
-            states.spill(dict(self.optimizer.state))
+            states.spill_or_warn(dict(self.optimizer.state))
+            if states.off:  # NOTE [a full disk] (statestore.py): decided again without
+                states.disable()
+                self.decision = None
+                self._apply(plan, free_gradients)
+                return
         elif self._states is not None:
             self._states.disable()
         if decision.free_gradients and self._inb is None:
@@ -727,6 +757,8 @@ class Fit:
     def _offload_why_not(self) -> str:
         if self._offload_off:
             return self._offload_off
+        if self._states is not None and self._states.off:
+            return self._states.off
         if self._managed():
             return "the model is under ts.manage"
         chain = self.chain

@@ -41,6 +41,7 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
+from tensorscope._copies import Attached, leave_out_of_copies
 from tensorscope._torch import graph_task_id
 from tensorscope.errors import ArgumentTypeError, InvalidArgumentError, ResidencyError
 from tensorscope.fit.offload_engine import Engine, GroupRun
@@ -226,7 +227,7 @@ class OffloadHandle:
         self.offloader = offloader
         self.groups = groups
         self._owned = owned
-        self._handles: list[RemovableHandle] = []
+        self._handles: list[RemovableHandle | Attached] = []
         self.removed = False
 
     def stats(self) -> OffloadStats:
@@ -363,6 +364,8 @@ def offload_blocks(
     for index in dict.fromkeys(chosen):
         hooks = _BlockHooks(offloader, modules[index], index)
         module = modules[index]
-        handle._handles.append(module.register_forward_pre_hook(hooks.pre, with_kwargs=True))
-        handle._handles.append(module.register_forward_hook(hooks.post, always_call=True))
+        pre = module.register_forward_pre_hook(hooks.pre, with_kwargs=True)
+        post = module.register_forward_hook(hooks.post, always_call=True)
+        # NOTE [copies of a module we attached to] (_copies.py): a copy is the plain block
+        handle._handles += [pre, post, leave_out_of_copies(module, [pre, post])]
     return handle

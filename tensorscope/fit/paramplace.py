@@ -104,29 +104,29 @@ class ParamPlacer:
         return sum(region.nbytes for region in self._regions.values())
 
     def place(self) -> None:
-        """Move every parameter into a file region (once); its memory goes back now."""
+        """Move every parameter into a file region (once); its memory goes back now. A write
+        that fails (a full disk) leaves that parameter and the ones after it in memory, warns,
+        and says why in ``kept``."""
         if self.placed:
             return
-        if self._tier is None:
-            self._tier = DiskTier(self._offload_dir)
-        for params in self.blocks:
-            for p in params:
-                if id(p) in self._regions:
-                    continue
-                storage = p.untyped_storage()
-                try:
-                    region = move_into_file(self._tier, storage)
-                except ResidencyError as exc:
-                    self.kept.append(str(exc))
-                    warnings.warn(
-                        f"tensorscope.fit: a parameter of {format_bytes(storage.nbytes())} "
-                        f"stays in memory: {exc}",
-                        FitWarning,
-                        stacklevel=3,
-                    )
-                    continue
-                region.drop()
-                self._regions[id(p)] = region
+        pending = [p for ps in self.blocks for p in ps if id(p) not in self._regions]
+        for i, p in enumerate(pending):
+            storage = p.untyped_storage()
+            try:
+                if self._tier is None:  # its files are made (and a page written) here
+                    self._tier = DiskTier(self._offload_dir)
+                region = move_into_file(self._tier, storage)
+            except ResidencyError as exc:
+                self.kept.append(str(exc))
+                warnings.warn(
+                    f"tensorscope.fit: a parameter of {format_bytes(storage.nbytes())} "
+                    f"stays in memory, and the {len(pending) - i - 1} after it: {exc}",
+                    FitWarning,
+                    stacklevel=3,
+                )
+                break
+            region.drop()
+            self._regions[id(p)] = region
         self.placed = True
         self.resident = 0
         self._mapped.clear()

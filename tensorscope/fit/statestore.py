@@ -16,6 +16,7 @@ from tensorscope.errors import FitWarning, ResidencyError
 from tensorscope.fit.inbackward import KNOWN_OPTIMIZERS, narrowed
 from tensorscope.fit.offload_rules import Bandwidth
 from tensorscope.fit.offload_store import Store, make_store, measure_store
+from tensorscope.fit.placeholders import placeholder_of
 from tensorscope.fit.rows import row_ranges
 
 __all__ = ["MIN_SPILL_BYTES", "StateStore", "per_parameter_state_bytes", "row_safe"]
@@ -34,6 +35,16 @@ __all__ = ["MIN_SPILL_BYTES", "StateStore", "per_parameter_state_bytes", "row_sa
 # state is written out again). After `load_state_dict()` the entries are new tensors: the
 # records of the old ones are dropped, and the new ones are written out after the next update.
 # A failed write leaves the tensor where it was (resident); nothing is lost.
+#
+# NOTE [a full disk]
+# A write that fails (ENOSPC, a file size limit; or the store's files cannot be made) leaves
+# that tensor in memory, warns once (FitWarning), and sets `off`: from then on nothing more is
+# written (the next writes would fail too) and `measure()` says the tier cannot be written
+# (None), as it does when its probe write fails before the first decision. ts.fit reads that:
+# at the end of the step it reads every tensor back (`disable()`) and decides again with the
+# state in memory (and no activation offload: the same tier); where nothing fits then, the
+# ScheduleError names the failure. Every write path is covered: the decision's first spill,
+# the update inside backward, a kept-gradient step one parameter at a time, a row block.
 
 MIN_SPILL_BYTES = 4096
 
@@ -219,6 +230,7 @@ class StateStore:
         self.bytes_written = 0
         self.bytes_read = 0
         self.write_errors = 0
+        self.off = ""  # why the state stays in memory from now on (NOTE [a full disk])
         self.row_block = 0  # > 0: tensors above it are written in row blocks of at most it
         self.block_updates = 0  # parameters updated block by block
         self._busy = False  # inside a block-by-block update: the optimizer's hooks stay out
@@ -253,13 +265,20 @@ class StateStore:
             store = self._stores[device] = make_store(device, self._offload_dir, True)
         return store
 
-    def measure(self, device: torch.device) -> Bandwidth:
-        """The store's bandwidth below ``device`` (to predict a step's transfer time)."""
-        store = make_store(device, self._offload_dir, reuse_files=False)
+    def measure(self, device: torch.device) -> Bandwidth | None:
+        """The store's bandwidth below ``device`` (to predict a step's transfer time); None
+        when the tier cannot be written (``off`` says why: NOTE [a full disk])."""
+        if self.off:
+            return None
         try:
-            return measure_store(store, device, 16 << 20)
-        finally:
-            store.close()
+            store = make_store(device, self._offload_dir, reuse_files=False)
+            try:
+                return measure_store(store, device, 16 << 20)
+            finally:
+                store.close()
+        except (OSError, ResidencyError) as exc:
+            self.off = f"the {self.tier} tier cannot be written: {exc}"
+            return None
 
     # -- moving --------------------------------------------------------------------------------
 
@@ -291,9 +310,7 @@ class StateStore:
                     copy = store.finish(storage, store.begin(storage))  # raises: stays resident
                 else:
                     blocks = self._write_blocks(store, value, ranges)
-                placeholder = torch.empty_strided(
-                    value.shape, value.stride(), dtype=value.dtype, device="meta"
-                )
+                placeholder = placeholder_of(value, self._copy_of, (id(p), key))
                 self._spilled[(id(p), key)] = _Spilled(
                     placeholder,
                     copy,
@@ -315,7 +332,7 @@ class StateStore:
         for p, values in list(self.optimizer.state.items()):
             if any((id(p), key) in self._spilled for key in values):
                 self.fetch({p: values})
-                self._spill_or_warn({p: values})
+                self.spill_or_warn({p: values})
 
     def _write_blocks(
         self, store: Store, value: torch.Tensor, ranges: list[tuple[int, int]]
@@ -383,6 +400,18 @@ class StateStore:
         self.bytes_read += record.nbytes
         return tensor
 
+    def _copy_of(self, key: Any, placeholder: torch.Tensor) -> torch.Tensor | None:
+        """A copy of the value ``placeholder`` stands for (NOTE [copies of state in the next
+        tier], placeholders.py); None when it stands for nothing any more."""
+        record = self._spilled.get(key)
+        if record is None or record.placeholder is not placeholder:
+            return None
+        read = self.bytes_read
+        try:
+            return self._read(record)
+        finally:
+            self.bytes_read = read  # a copy of the user's, not a step's traffic
+
     def update_in_rows(self, p: torch.Tensor, step_one: Callable[[torch.Tensor], None]) -> bool:
         """Run ``p``'s update block by block when its state is written in row blocks
         (NOTE [updates in row blocks]); False when it is not (the caller updates it whole).
@@ -437,7 +466,7 @@ class StateStore:
             self._busy = False
         values.update(last)
         self.block_updates += 1
-        self._spill_or_warn({p: values})  # what was read back whole goes out again
+        self.spill_or_warn({p: values})  # what was read back whole goes out again
         return True
 
     def _rewrite_block(self, record: _Spilled, block: _Block, rows: torch.Tensor) -> None:
@@ -447,6 +476,9 @@ class StateStore:
             block.copy = None
         if rows.untyped_storage().nbytes() != rows.nbytes or not rows.is_contiguous():
             rows = rows.contiguous().clone()
+        if self.off:  # the tier failed a write already: no more tries
+            block.kept = rows
+            return
         try:
             storage = rows.untyped_storage()
             block.copy, block.kept = store.finish(storage, store.begin(storage)), None
@@ -487,7 +519,7 @@ class StateStore:
                     try:
                         if not self.update_in_rows(p, step_one):
                             step_one(p)
-                            self._spill_or_warn({p: opt.state.get(p, {})})
+                            self.spill_or_warn({p: opt.state.get(p, {})})
                     finally:
                         self.stepping = False
                     self._set_aside.append((p, p.grad))
@@ -511,9 +543,13 @@ class StateStore:
         parameter's step inside backward). A failed write warns and leaves that state resident
         (the update is done: raising out of ``optimizer.step()`` would invite a second one)."""
         if self.enabled and not self._busy:
-            self._spill_or_warn(None)
+            self.spill_or_warn(None)
 
-    def _spill_or_warn(self, state: dict[Any, Any] | None) -> None:
+    def spill_or_warn(self, state: dict[Any, Any] | None) -> None:
+        """``spill(state)``; a failed write warns and leaves that state in memory, and so
+        does every write after it (NOTE [a full disk])."""
+        if self.off:
+            return
         try:
             self.spill(state)
         except (OSError, ResidencyError) as exc:
@@ -521,9 +557,13 @@ class StateStore:
 
     def _warn(self, exc: BaseException) -> None:
         self.write_errors += 1
+        if self.off:
+            return
+        self.off = f"writing the optimizer state to the {self.tier} tier failed: {exc}"
         warnings.warn(
             f"tensorscope.fit: the optimizer state could not be written to the {self.tier} "
-            f"tier ({exc}); it stays in memory for this step (above the plan's peak)",
+            f"tier ({exc}); it stays in memory (nothing is lost), and the step is decided "
+            f"again with the optimizer state in memory",
             FitWarning,
             stacklevel=3,
         )
@@ -537,7 +577,7 @@ class StateStore:
         # writing the state out again leaves the caller's values whole
         state_dict["state"] = {k: dict(v) for k, v in state_dict["state"].items()}
         if self.enabled and self._was_spilled:
-            self._spill_or_warn(dict(self.optimizer.state))
+            self.spill_or_warn(dict(self.optimizer.state))
         return state_dict
 
     def disable(self) -> None:

@@ -190,7 +190,14 @@ class DiskTier:
         if directory is None:
             # Named with the pid and locked: a later process can tell it is stale if this one
             # is killed (see tempdirs.py's NOTE).
-            self._private = PrivateDir()
+            try:
+                self._private = PrivateDir()
+            except OSError as exc:  # tempfile finds no directory it can write (a full disk)
+                raise ResidencyError(
+                    f"tensorscope.residency: cannot create a private offload directory: {exc}. "
+                    "Free space in the temporary directory, or pass an offload_dir you can "
+                    "write to."
+                ) from exc
             self.directory = self._private.path
         else:
             self.directory = directory

@@ -21,7 +21,8 @@ LAYERS: list[tuple[str, ...]] = [
     ("_units", "policies", "graph"),  # pure Python: no torch plumbing
     ("_engine",),  # the C++ scope engine, when built
     # typed doors to torch internals; creation sites; our global optimizer-step hooks
-    ("_torch", "_sites", "_step_hooks"),
+    # what copies of a module leave out (hooks and attributes of ours)
+    ("_torch", "_sites", "_step_hooks", "_copies"),
     ("_state", "_slot"),  # ref records and the owner contract; the residency slot
     ("_thread",),  # per-thread state
     ("_plain", "_reach"),  # plain-tensor protocols of refs; tensors reachable from a value
@@ -29,7 +30,9 @@ LAYERS: list[tuple[str, ...]] = [
     # torch.optim step hooks; torch entry points that keep state; torch.compile'd outputs
     ("_optimizer", "_keepers", "_compiled"),
     ("_adopt", "_leaks"),  # how results become refs (both engines); the leak report
-    ("_fallback",),  # the scope key's kernels: the Python engine, shared fallthroughs
+    # the scope key's kernels: the Python engine, shared fallthroughs; aliases user code asks
+    # for by name (aten.alias, aten.detach, torch.detach), which fall through the key
+    ("_fallback", "_aliases"),
     ("_intercept",),  # the residency manager's dispatch mode; hooks installed once
     ("scope",),  # DisposeScope, statistics
     ("residency", "empty_init"),  # the residency manager package; meta-device construction

@@ -244,3 +244,19 @@ def plain_peak(name: str, kind: str, seq: int = SEQ) -> int:
     with ts.record() as rec:
         step(model, opt, next(data))
     return rec.plan().peak_bytes
+
+
+def tight_state_budget(name: str, kind: str, clip: float | None) -> int:
+    """A budget between the smallest plan with the optimizer state offloaded and the smallest
+    with it resident (read from a first fit's candidates)."""
+    model = tiny(name)
+    opt = optimizer(kind, model)
+    fit = ts.fit(model, opt, budget="1GiB")
+    data = batches(name)
+    step(model, opt, next(data), clip=clip)
+    assert fit.decision is not None
+    resident = min(c.least_budget for c in fit.decision.candidates if not c.base.state_offloaded)
+    moved = min(c.least_budget for c in fit.decision.candidates if c.base.state_offloaded)
+    fit.remove()
+    assert moved < resident
+    return (moved + resident) // 2

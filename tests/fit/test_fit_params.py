@@ -6,6 +6,7 @@ the right values; remove() gives ordinary memory back; a failed write loses noth
 from __future__ import annotations
 
 import copy
+import io
 import warnings
 from typing import Any
 
@@ -142,12 +143,63 @@ def test_inside_a_scope_under_the_python_path_too(budgets: tuple[int, int]) -> N
         fit.remove()
 
 
+def test_copies_saves_and_state_dict_loads_of_placed_parameters(budgets: tuple[int, int]) -> None:
+    """What a script does between steps while the chain's parameters are in files: copy the
+    model (an EMA, a best model), save it whole or its state_dict, and load a state_dict into
+    it (the values written through the mappings, kept when the pages are dropped)."""
+    placed_least, unplaced_least = budgets
+    model = _gpt2()
+    ref = copy.deepcopy(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3)
+    fit = ts.fit(model, opt, budget=(placed_least + unplaced_least) // 2)
+    data = _data(8)
+    try:
+        for k in range(3):
+            assert _step(model, opt, data[k], k) == _step(ref, ref_opt, data[k], k)
+        placer = fit._placer
+        assert placer is not None and placer.placed and placer.placed_nbytes > 0
+        copied = copy.deepcopy(model)
+        buffer = io.BytesIO()
+        torch.save((model, model.state_dict()), buffer)
+        buffer.seek(0)
+        loaded, loaded_state = torch.load(buffer, weights_only=False)
+        for other in (copied, loaded):
+            assert differing(other, ref) == []
+            assert not other._forward_pre_hooks
+            assert not any("forward" in vars(m) for m in other.modules())
+        assert all(torch.equal(loaded_state[n], t) for n, t in ref.state_dict().items())
+        # a copy trains on its own: the placed original is not touched
+        copied_opt = torch.optim.AdamW(copied.parameters(), lr=1e-3)
+        _step(copied, copied_opt, data[7], 7)
+        assert differing(model, ref) == []
+        # load other values into the placed parameters (both sides), then train on
+        with torch.no_grad():
+            for p in ref.parameters():
+                p.mul_(0.5)
+        model.load_state_dict(ref.state_dict())
+        for k in range(3, 6):
+            assert _step(model, opt, data[k], k) == _step(ref, ref_opt, data[k], k)
+            assert differing(model, ref) == [], f"step {k + 1}"
+        assert fit.decision is not None and fit.decision.chosen.base.placed_bytes > 0
+        assert placer.placed
+    finally:
+        fit.remove()
+    assert differing(model, ref) == []
+
+
+@pytest.mark.parametrize("fails", ["a region's write", "the files' creation"])
 def test_a_failed_write_keeps_the_parameters(
-    budgets: tuple[int, int], monkeypatch: pytest.MonkeyPatch
+    budgets: tuple[int, int], monkeypatch: pytest.MonkeyPatch, fails: str
 ) -> None:
     placed_least, unplaced_least = budgets
 
     class Full(paramplace.DiskTier):
+        def __init__(self, directory: str | None) -> None:
+            if fails == "the files' creation":  # a full disk before any region is written
+                raise ResidencyError("tensorscope.residency: no space left on device (a test)")
+            super().__init__(directory)
+
         def store(self, address: int, nbytes: int) -> Any:
             raise ResidencyError("tensorscope.residency: no space left on device (a test)")
 

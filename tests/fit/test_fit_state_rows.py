@@ -4,6 +4,7 @@ to the whole update, and ts.fit plans for it (a budget only that fits)."""
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable, Iterator
 
 import pytest
@@ -119,4 +120,9 @@ def test_fit_updates_a_big_embedding_in_row_blocks_when_only_that_fits(
     for k in sb:
         for key, value in sb[k].items():
             assert torch.equal(sa[k][key], value), (k, key)
+    # a copy of the whole optimizer reads the state written in row blocks back whole
+    copied = copy.deepcopy((model, opt))[1].state_dict()["state"]
+    for k in sb:
+        for key, value in sb[k].items():
+            assert torch.equal(copied[k][key], value), (k, key)
     fit.remove()
