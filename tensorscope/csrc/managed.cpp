@@ -30,8 +30,8 @@
 #include <c10/util/SmallVector.h>
 #include <torch/csrc/Exceptions.h>
 #include <torch/csrc/autograd/functions/accumulate_grad.h>
+#include <torch/csrc/autograd/function.h>  // Node (torch 2.13 moved it to node.h, included here)
 #include <torch/csrc/autograd/graph_task.h>
-#include <torch/csrc/autograd/node.h>
 #include <torch/library.h>
 
 #include <time.h>
