@@ -170,11 +170,36 @@ def run(ctx: Context) -> None:
                 "no error",
             )
             continue
-        _judge(ctx, label, budget, fitted, extra, plain, hf)
+        _judge(ctx, label, budget, fitted, extra, plain, hf, state)
+
+
+def _weight_gap(
+    fitted: dict[str, torch.Tensor],
+    plain: dict[str, torch.Tensor],
+    initial: dict[str, torch.Tensor],
+) -> tuple[float, float]:
+    """The largest difference of a weight, and the norm of the difference of the two runs'
+    updates relative to the norm of plain's update."""
+    worst, gap, norm = 0.0, 0.0, 0.0
+    for key, value in plain.items():
+        if not value.is_floating_point():
+            continue
+        diff = (fitted[key] - value).double()
+        worst = max(worst, diff.abs().max().item())
+        gap += diff.square().sum().item()
+        norm += (value - initial[key]).double().square().sum().item()
+    return worst, (gap / norm) ** 0.5 if norm else float(gap > 0)
 
 
 def _judge(
-    ctx: Context, label: str, budget: int, fitted: Run, extra: dict[str, Any], plain: Run, hf: Run
+    ctx: Context,
+    label: str,
+    budget: int,
+    fitted: Run,
+    extra: dict[str, Any],
+    plain: Run,
+    hf: Run,
+    initial: dict[str, torch.Tensor],
 ) -> None:
     name = f"fit at {label} ({format_bytes(budget)})"
     if ctx.cuda:
@@ -203,15 +228,14 @@ def _judge(
         f"max |diff| {max(diffs):.3g}",
         f"<= {tolerance:g} relative",
     )
-    worst_weight = max((fitted.weights[k] - v).abs().max().item() for k, v in plain.weights.items()
-                       if v.is_floating_point())  # fmt: skip
-    weight_tolerance = 5e-4 if ctx.cuda else 1e-6
-    ctx.expect(
-        f"{name}: weights after {len(plain.losses)} steps equal plain's",
-        worst_weight <= weight_tolerance,
-        f"max |diff| {worst_weight:.3g}",
-        f"<= {weight_tolerance:g}",
-    )
+    worst, relative = _weight_gap(fitted.weights, plain.weights, initial)
+    if ctx.cuda:  # CUDA's kernels may round differently: the updates must agree, not the bits
+        ctx.expect(f"{name}: weight updates after {len(plain.losses)} steps agree with plain's",
+                   relative <= 1e-3, f"|dfit - dplain| / |dplain| = {relative:.3g} "
+                   f"(max |diff| {worst:.3g})", "<= 1e-3")  # fmt: skip
+    else:
+        ctx.expect(f"{name}: weights after {len(plain.losses)} steps equal plain's",
+                   worst == 0.0, f"max |diff| {worst:.3g}", "0 (bit-identical)")  # fmt: skip
     seconds = fitted.median_s(2)
     ctx.note(f"{name}: seconds per step (median from step 3)", {
         "fit": seconds, "vs plain": seconds / plain.median_s(2),
