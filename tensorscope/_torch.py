@@ -181,7 +181,9 @@ def swap_data_ptr(storage: torch.UntypedStorage, other: torch.UntypedStorage) ->
     else:
         from tensorscope.errors import ResidencyError
 
-        raise ResidencyError(f"tensorscope.residency: {storage_door_missing()}.")
+        raise ResidencyError(
+            f"tensorscope.residency: nothing can move between tiers: {storage_door_missing()}."
+        )
 
 
 def treat_as_plain_for_tracing(cls: type) -> None:

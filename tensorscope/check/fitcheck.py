@@ -228,14 +228,14 @@ def _judge(
         f"max |diff| {max(diffs):.3g}",
         f"<= {tolerance:g} relative",
     )
-    worst, relative = _weight_gap(fitted.weights, plain.weights, initial)
+    largest, relative = _weight_gap(fitted.weights, plain.weights, initial)
     if ctx.cuda:  # CUDA's kernels may round differently: the updates must agree, not the bits
         ctx.expect(f"{name}: weight updates after {len(plain.losses)} steps agree with plain's",
                    relative <= 1e-3, f"|dfit - dplain| / |dplain| = {relative:.3g} "
-                   f"(max |diff| {worst:.3g})", "<= 1e-3")  # fmt: skip
+                   f"(max |diff| {largest:.3g})", "<= 1e-3")  # fmt: skip
     else:
         ctx.expect(f"{name}: weights after {len(plain.losses)} steps equal plain's",
-                   worst == 0.0, f"max |diff| {worst:.3g}", "0 (bit-identical)")  # fmt: skip
+                   largest == 0.0, f"max |diff| {largest:.3g}", "0 (bit-identical)")  # fmt: skip
     seconds = fitted.median_s(2)
     ctx.note(f"{name}: seconds per step (median from step 3)", {
         "fit": seconds, "vs plain": seconds / plain.median_s(2),

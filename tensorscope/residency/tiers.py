@@ -98,7 +98,7 @@ def move_into_file(disk: DiskTier, storage: torch.UntypedStorage) -> DiskRegion:
     no storage's memory can be exchanged here (_torch.py's NOTE [the storage door])."""
     why = storage_door_missing()
     if why is not None:
-        raise ResidencyError(f"tensorscope.residency: {why}.")
+        raise ResidencyError(f"tensorscope.residency: nothing can move between tiers: {why}.")
     region = disk.store(storage.data_ptr(), storage.nbytes())
     swap_in(storage, region.storage())
     return region
