@@ -6,6 +6,7 @@ Layer: the check package.
 from __future__ import annotations
 
 import argparse
+import sys
 from collections.abc import Sequence
 from typing import Any
 
@@ -53,6 +54,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: Any) -> int:
+    if args.device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            print(
+                "tensorscope check: --device cuda, but torch sees no CUDA device "
+                f"(torch {torch.__version__}, torch.cuda.is_available() is False); nothing ran.",
+                file=sys.stderr,
+            )
+            return 2
     chosen = [spec for spec in CHECKS if not args.only or spec.name in args.only]
     report = run_checks(chosen, args.device, args.size, args.json, args.time_limit, args.isolate)
     return 0 if report["passed"] else 1

@@ -36,6 +36,7 @@ from tensorscope.check.measure import gpt2, sync, tokens, workspace_bytes
 __all__ = ["run"]
 
 PHASES = ("forward", "backward", "optimizer")
+_NO_FRAME = "(no Python frame)"
 
 
 def run(ctx: Context) -> None:
@@ -120,8 +121,10 @@ def _variant(ctx: Context, label: str, foreach: bool | None) -> None:
         f"{whole:.4f} (plan {plan.peak_bytes} + workspaces {workspaces} vs {peak} B)",
         "0.98-1.02",
     )
-    ctx.note(prefix + "per phase (plan peak above start, allocator peak above start)", {
-        phase: [_phase_peak(plan, phase) - existing, phases[phase][0] - start]
+    ctx.note(prefix + "per phase, bytes above the start: plan peak / allocator peak; "
+             "plan at its end / allocator at its end", {
+        phase: [_phase_bytes(plan, phase, max) - existing, phases[phase][0] - start,
+                _phase_bytes(plan, phase, _last) - existing, phases[phase][1] - start]
         for phase in PHASES if phase in phases
     })  # fmt: skip
     stats = torch.cuda.memory_stats(device)
@@ -159,9 +162,14 @@ def _on_cpu(ctx: Context, label: str, step: Callable[[Callable[[str], None]], No
     )
 
 
-def _phase_peak(plan: ts.MemoryPlan, phase: str) -> int:
-    highs = [sum(row[2].values()) for row in plan.timeline if plan.ops[row[0]].phase == phase]
-    return max(highs, default=0)
+def _phase_bytes(plan: ts.MemoryPlan, phase: str, pick: Callable[[list[int]], int]) -> int:
+    """The plan's bytes over the ops of ``phase``: ``max`` (its peak) or ``_last`` (its end)."""
+    rows = [sum(row[2].values()) for row in plan.timeline if plan.ops[row[0]].phase == phase]
+    return pick(rows) if rows else 0
+
+
+def _last(values: list[int]) -> int:
+    return values[-1]
 
 
 def _profiler_peak(step: Callable[[], None]) -> int:
@@ -218,8 +226,11 @@ def _peak_blocks(snapshot: Any) -> dict[str, Any]:
         elif action == "free_requested" and addr in alive:
             total -= alive.pop(addr)[0]
     by_line: dict[str, int] = {}
+    frameless: list[int] = []  # autograd's device thread runs no Python: the backward's blocks
     for size, where in at_high.values():
         by_line[where] = by_line.get(where, 0) + size
+        if where == _NO_FRAME:
+            frameless.append(size)
     largest = sorted(by_line.items(), key=lambda item: -item[1])[:12]
     made = {event.get("addr") for event in trace if event.get("action") == "alloc"}
     older = []
@@ -233,6 +244,7 @@ def _peak_blocks(snapshot: Any) -> dict[str, Any]:
         "events": len(trace),
         "step_high_bytes": high,
         "at_high_by_line": dict(largest),
+        "largest_at_high_without_a_python_frame": sorted(frameless, reverse=True)[:8],
         "blocks_from_before_the_step": len(older),
         "largest_from_before_the_step": sorted(older, reverse=True)[:8],
     }
@@ -244,4 +256,4 @@ def _where(frames: list[dict[str, Any]]) -> str:
         if "tensorscope/plan" in name or "tensorscope/_" in name:
             continue  # the recorder's own frames
         return f"{name.rsplit('/', 2)[-1]}:{frame.get('line')} {frame.get('name')}"
-    return "(no Python frame)"
+    return _NO_FRAME

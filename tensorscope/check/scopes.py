@@ -53,6 +53,7 @@ def run(ctx: Context) -> None:
         base_no_ws = allocator(device)["allocated"]
         warm_up(device)  # the workspaces again, so that the scope does not make them
         base = allocator(device)["allocated"]
+        blocks_before = _active_blocks()
         ctx.note("cublas_workspaces_at_baseline_bytes", before_ws)
         ctx.note("allocated_baseline_bytes", base)
     leaked: list[Any] = []
@@ -74,6 +75,9 @@ def run(ctx: Context) -> None:
         if after == base:
             ctx.expect("memory_allocated back to its baseline", True, after - base, "0 B above")
         else:
+            new = {a: s for a, s in _active_blocks().items() if blocks_before.get(a) != s}
+            ctx.note("blocks allocated after the scope that were not at the baseline (sizes)",
+                     sorted(new.values(), reverse=True)[:16])  # fmt: skip
             ws = workspace_bytes(device)
             after_no_ws = allocator(device)["allocated"]
             ctx.note("cublas_workspaces_after_scope_bytes", ws)
@@ -144,3 +148,16 @@ def _training_steps(ctx: Context) -> None:
         [a - after[0] for a in after],
         "all 0",
     )
+
+
+def _active_blocks() -> dict[int, int]:
+    """The caching allocator's allocated blocks now: address -> size."""
+    found: dict[int, int] = {}
+    snapshot: Any = torch.cuda.memory_snapshot()  # type: ignore[no-untyped-call]
+    for segment in snapshot:
+        address = int(segment["address"])
+        for block in segment["blocks"]:
+            if block["state"] == "active_allocated":
+                found[address] = int(block["size"])
+            address += int(block["size"])
+    return found

@@ -66,3 +66,12 @@ def test_the_command_line_rejects_unknown_checks() -> None:
         main(["--only", "nonsense"])
     with pytest.raises(SystemExit):
         main(["--device", "tpu"])
+
+
+def test_cuda_asked_for_without_a_gpu_runs_nothing(capsys: pytest.CaptureFixture[str]) -> None:
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is present")
+    assert main(["--device", "cuda"]) == 2
+    assert "torch sees no CUDA device" in capsys.readouterr().err
