@@ -237,6 +237,7 @@ def _peak_blocks(snapshot: Any) -> dict[str, Any]:
     for segment in snapshot.get("segments", []):
         address = int(segment.get("address", 0))
         for block in segment.get("blocks", []):
+            address = int(block.get("address", address))
             if block.get("state") == "active_allocated" and address not in made:
                 older.append(int(block.get("size", 0)))
             address += int(block.get("size", 0))

@@ -157,6 +157,7 @@ def _active_blocks() -> dict[int, int]:
     for segment in snapshot:
         address = int(segment["address"])
         for block in segment["blocks"]:
+            address = int(block.get("address", address))
             if block["state"] == "active_allocated":
                 found[address] = int(block["size"])
             address += int(block["size"])
