@@ -49,7 +49,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--time-limit",
         type=float,
         metavar="SECONDS",
-        help="for the whole run (checks not started in time are reported as timed out)",
+        help="for the whole run (checks not started in time are reported as timed out); "
+        "default 480 at full size",
     )
 
 

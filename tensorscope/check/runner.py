@@ -30,6 +30,9 @@ from typing import Any, TextIO
 __all__ = ["CHECKS", "CheckSpec", "resolve_device", "run_checks", "table"]
 
 
+# The whole run at the acceptance shapes, unless told otherwise (API §12: at most 8 minutes).
+FULL_RUN_S = 480.0
+
 # Seconds a worker may take to start a check (import torch and tensorscope) before it counts
 # as hung; a check's own time limit starts when it starts.
 STARTUP_S = 180.0
@@ -103,7 +106,8 @@ def run_checks(
     small on the CPU. ``isolate``: ``"each"`` (a worker per check: fresh allocator baselines),
     ``"shared"`` (one worker runs them in turn, started again after a crash or a timeout: one
     import of torch and transformers instead of five), ``"auto"``: each on CUDA, shared on the
-    CPU. ``time_limit_s``: for the whole run."""
+    CPU. ``time_limit_s``: for the whole run (default: ``FULL_RUN_S`` at full size, none at
+    small)."""
     out = out or sys.stdout
     if device == "auto":
         device = resolve_device()
@@ -111,6 +115,8 @@ def run_checks(
         size = "small" if device == "cpu" else "full"
     if isolate == "auto":
         isolate = "shared" if device == "cpu" else "each"
+    if time_limit_s is None and size == "full":
+        time_limit_s = FULL_RUN_S
     report: dict[str, Any] = {
         "device": device,
         "size": size,
