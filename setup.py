@@ -17,7 +17,14 @@ else:
             ["tensorscope/csrc/fast.cpp", "tensorscope/csrc/managed.cpp"],
             extra_compile_args=["-O2"],
             optional=True,
-        )
+        ),
+        # The storage door for torch without UntypedStorage._swap_data_ptr_ (tensorscope/_torch.py).
+        CppExtension(
+            "tensorscope._storage",
+            ["tensorscope/csrc/storage.cpp"],
+            extra_compile_args=["-O2"],
+            optional=True,
+        ),
     ]
     commands = {"build_ext": BuildExtension}
 

@@ -272,6 +272,8 @@ def _reset_after_fork() -> None:
     the mode popped and no residency routing; what the child makes is its own, as in plain
     PyTorch (a batch a worker made inside the parent's scope came back as that scope's ref)."""
     state = thread_state()
+    if NATIVE_OPS and hasattr(FAST, "res_forget_threads"):
+        FAST.res_forget_threads()  # the parent's other threads are not here
     if state.pushed and NATIVE_OPS:
         FAST.res_attach(None)
     elif state.pushed and state.mode is not None and mode_on_top(state.mode):

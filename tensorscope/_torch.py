@@ -1,4 +1,4 @@
-"""Typed doors to the few torch internals tensorscope relies on (checked on torch 2.13).
+"""Typed doors to the few torch internals tensorscope relies on (checked on torch 2.13 and 2.11).
 
 Keeping them here gives one place to adapt when torch changes, and keeps ``mypy --strict``
 honest everywhere else. Layer 1: imports torch and the engine only.
@@ -6,6 +6,7 @@ honest everywhere else. Layer 1: imports torch and the engine only.
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Sequence
 from typing import Any
 
@@ -17,6 +18,7 @@ __all__ = [
     "ACCUMULATE_GRAD",
     "ORIGINAL_FROMBUFFER",
     "SCOPE_KEY",
+    "STORAGE_DOOR",
     "cuda_event",
     "cuda_stream",
     "current_autograd_node",
@@ -35,6 +37,7 @@ __all__ = [
     "scope_key_included",
     "set_scope_key_included",
     "storage_address",
+    "storage_door_missing",
     "storage_use_count",
     "swap_data_ptr",
     "tensor_over",
@@ -133,10 +136,54 @@ def new_storage(nbytes: int, device: torch.device | str = "cpu") -> torch.Untype
     return storage
 
 
+# NOTE [the storage door]
+# Residency gives a managed storage other memory in place (every tensor, view and saved copy
+# sharing it follows). torch 2.13 has UntypedStorage._swap_data_ptr_ for that; torch 2.11 has
+# no Python API that replaces a storage's memory (resize_ reallocates through the storage's own
+# allocator, never onto a file mapping), so there tensorscope's small C++ module
+# ``tensorscope._storage`` (csrc/storage.cpp, built beside the scope engine and loaded whatever
+# TENSORSCOPE_ENGINE says) does the same through c10::StorageImpl's setters. Without either,
+# the residency manager and fit's parameter placement refuse to start (``storage_door_missing``)
+# rather than fail at the first move.
+def _storage_door() -> tuple[str, Any]:
+    if hasattr(_UntypedStorage, "_swap_data_ptr_"):
+        return "torch", None
+    try:
+        module: Any = importlib.import_module("tensorscope._storage")
+    except ImportError:
+        return "", None
+    return "extension", module.swap
+
+
+STORAGE_DOOR, _extension_swap = _storage_door()
+
+
+def storage_door_missing() -> str | None:
+    """Why no storage's memory can be exchanged on this install (NOTE [the storage door]), or
+    None when it can."""
+    if STORAGE_DOOR:
+        return None
+    return (
+        f"torch {torch.__version__} has no UntypedStorage._swap_data_ptr_ (torch 2.13 has) and "
+        "tensorscope's C++ module tensorscope._storage is not built. Build it with a C++ "
+        "compiler (`pip install -e .`, or `python setup.py build_ext --inplace` in a source "
+        "tree), or use torch 2.13"
+    )
+
+
 def swap_data_ptr(storage: torch.UntypedStorage, other: torch.UntypedStorage) -> None:
     """Exchange the memory of two storages (equal sizes, or one of them empty)."""
-    swap: Any = storage._swap_data_ptr_  # type: ignore[attr-defined]
-    swap(other)
+    if STORAGE_DOOR == "torch":
+        swap: Any = storage._swap_data_ptr_  # type: ignore[attr-defined]
+        swap(other)
+    elif _extension_swap is not None:
+        _extension_swap(storage, other)
+    else:
+        from tensorscope.errors import ResidencyError
+
+        raise ResidencyError(
+            f"tensorscope.residency: nothing can move between tiers: {storage_door_missing()}."
+        )
 
 
 def treat_as_plain_for_tracing(cls: type) -> None:

@@ -1,4 +1,5 @@
-"""The ``tensorscope`` command: ``tensorscope demo``, ``tensorscope plan script.py``."""
+"""The ``tensorscope`` command: ``tensorscope demo``, ``tensorscope plan script.py``,
+``tensorscope check``."""
 
 from __future__ import annotations
 
@@ -32,6 +33,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="which part to run (default: both)",
     )
     _add_plan(commands)
+    check = commands.add_parser(
+        "check",
+        help="check tensorscope's contract on this machine's best device (minutes on a GPU)",
+        description="Run the acceptance checks of tensorscope's contract (API §12) on the best "
+        "device present, each in a process of its own under a time limit, and print a table "
+        "(docs/accelerators.md). The exit status is 0 only when every check passed.",
+    )
+    from tensorscope.check.cli import add_arguments as add_check_arguments
+
+    add_check_arguments(check)
     words = list(sys.argv[1:] if argv is None else argv)
     script_args: list[str] = []
     if words[:1] == ["plan"] and "--" in words:  # what follows -- is the script's own
@@ -41,6 +52,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command == "plan":
         args.script_args = script_args
         return _plan(parser, args)
+    if args.command == "check":
+        from tensorscope.check.cli import run as run_check
+
+        return run_check(args)
     if args.command == "demo":
         if args.batches < 1 or args.forwards < 1:
             parser.error("--batches and --forwards must be at least 1")

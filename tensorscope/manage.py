@@ -23,7 +23,7 @@ from typing_extensions import Self
 
 from tensorscope.errors import ArgumentTypeError, ResidencyError, ResidencyWarning
 from tensorscope.loading import Loaded, load_checkpoint
-from tensorscope.residency import ResidencyManager, residency, watch
+from tensorscope.residency import ResidencyManager, config, residency, watch
 from tensorscope.residency.managed import PLAIN_CLASS, ManagedBuffer, ManagedParameter
 from tensorscope.residency.placement import Placement
 
@@ -260,6 +260,7 @@ def _check_module(module: object, manager: object) -> tuple[nn.Module, Residency
             "tensorscope.residency: manager= must be a ts.ResidencyManager (or None for "
             f"ts.residency); got {type(manager).__name__}."
         )
+    config.check_storage_door()
     return module, manager
 
 
@@ -291,7 +292,8 @@ def manage(
         ResidencyError: a tensor is on another device than the device tier, on ``meta`` without
             a checkpoint, or already managed by another ``ts.manage()`` handle (remove that one
             first); with ``checkpoint``: meta tensors it has no value for, keys that match
-            nothing (unless ``strict=False``), other shapes, a truncated or corrupt file.
+            nothing (unless ``strict=False``), other shapes, a truncated or corrupt file; torch
+            older than 2.13 without tensorscope's C++ module ``_storage`` (nothing could move).
 
     Example:
         >>> import torch, tensorscope as ts

@@ -19,6 +19,15 @@
 //   next point Python looks (residency/native.py: `sync`). No Python frame, no GIL;
 // - otherwise the slow path: the thread's Interceptor is pushed for this one op and the op is
 //   redispatched to the Python key: exactly what the Python engine does for every op.
+//
+// NOTE [threads that inherit the key]
+// torch copies a thread's dispatch key set to the threads that run work on its behalf:
+// autograd's device threads (a CUDA backward runs on one), TorchScript's fork, at::launch. There
+// the Fake key is included but res_attach never ran, so the thread has no Interceptor of its
+// own; the Python engine's mode is inherited with the key set, and so the op path must act
+// there too (an op reading a demoted CUDA storage would read freed memory). Such a thread takes
+// the Interceptor of the most recently attached thread that is still attached (with one thread
+// managing, the one whose work it runs: what the inherited Python mode would be).
 
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -30,8 +39,8 @@
 #include <c10/util/SmallVector.h>
 #include <torch/csrc/Exceptions.h>
 #include <torch/csrc/autograd/functions/accumulate_grad.h>
+#include <torch/csrc/autograd/function.h>  // Node (torch 2.13 moved it to node.h, included here)
 #include <torch/csrc/autograd/graph_task.h>
-#include <torch/csrc/autograd/node.h>
 #include <torch/library.h>
 
 #include <time.h>
@@ -94,6 +103,7 @@ struct ThreadLog {
 
 thread_local ThreadLog tl_log;
 thread_local PyObject* tl_mode = nullptr;  // this thread's Interceptor (strong), or null
+std::vector<PyObject*> g_attached;           // GIL: attached threads' Interceptors, oldest first
 thread_local bool tl_due = true;           // results may be due here (optimizer region)
 thread_local std::unordered_map<const c10::OperatorName*, uint8_t> tl_kinds;
 
@@ -176,11 +186,26 @@ void run_plain(const c10::OperatorHandle& op, c10::DispatchKeySet keys, torch::j
   throw error;
 }
 
+// NOTE [threads that inherit the key]: the Interceptor of the most recently attached thread
+// that is alive (``Interceptor.state.alive``), or null. GIL held.
+PyObject* inherited_mode() {
+  for (auto it = g_attached.rbegin(); it != g_attached.rend(); ++it) {
+    PyObject* state = PyObject_GetAttrString(*it, "state");
+    PyObject* flag = state != nullptr ? PyObject_GetAttrString(state, "alive") : nullptr;
+    const int alive = flag != nullptr ? PyObject_IsTrue(flag) : -1;
+    Py_XDECREF(flag);
+    Py_XDECREF(state);
+    if (alive < 0) PyErr_Clear();
+    if (alive == 1) return *it;
+  }
+  return nullptr;
+}
+
 // The slow path: this thread's Interceptor handles the op, as in the Python engine.
 void run_slow(const c10::OperatorHandle& op, c10::DispatchKeySet keys, torch::jit::Stack* stack) {
   g_slow_ops.fetch_add(1, std::memory_order_relaxed);
   PyGILState_STATE gil = PyGILState_Ensure();
-  PyObject* mode = tl_mode;
+  PyObject* mode = tl_mode != nullptr ? tl_mode : inherited_mode();
   if (mode == nullptr || g_push == nullptr) {
     PyGILState_Release(gil);
     run_plain(op, keys, stack);
@@ -431,13 +456,36 @@ PyObject* res_arena(PyObject*, PyObject* args) {
 
 // res_attach(mode or None): this thread's ops go through the fallback (mode: its Interceptor).
 PyObject* res_attach(PyObject*, PyObject* mode) {
+  if (tl_mode != nullptr) {  // this thread's previous one leaves the list
+    for (auto it = g_attached.begin(); it != g_attached.end(); ++it) {
+      if (*it == tl_mode) {
+        Py_DECREF(*it);
+        g_attached.erase(it);
+        break;
+      }
+    }
+  }
   if (mode == Py_None) {
     c10::impl::tls_set_dispatch_key_included(kKey, false);
     Py_CLEAR(tl_mode);
   } else {
     Py_INCREF(mode);
     Py_XSETREF(tl_mode, mode);
+    Py_INCREF(mode);
+    g_attached.push_back(mode);
     c10::impl::tls_set_dispatch_key_included(kKey, true);
+  }
+  Py_RETURN_NONE;
+}
+
+// res_forget_threads(): only this thread stays attached (a forked child: the parent's other
+// threads do not exist there).
+PyObject* res_forget_threads(PyObject*, PyObject*) {
+  for (PyObject* mode : g_attached) Py_DECREF(mode);
+  g_attached.clear();
+  if (tl_mode != nullptr) {
+    Py_INCREF(tl_mode);
+    g_attached.push_back(tl_mode);
   }
   Py_RETURN_NONE;
 }
@@ -582,6 +630,8 @@ PyMethodDef residency_methods[] = {
     {"res_arena", res_arena, METH_VARARGS, "res_arena(fd, high, canary, ok) or res_arena(fd)"},
     {"res_attach", res_attach, METH_O, "res_attach(interceptor or None) for this thread"},
     {"res_due", res_due, METH_O, "res_due(flag): results may be due on this thread"},
+    {"res_forget_threads", res_forget_threads, METH_NOARGS,
+     "res_forget_threads(): the other threads' Interceptors are dropped (after fork)"},
     {"res_excluded", res_excluded, METH_O, "res_excluded(on) -> previous"},
     {"res_counter", res_counter, METH_VARARGS, "res_counter(name, delta) -> new value"},
     {"res_flags", res_flags, METH_VARARGS, "res_flags(policy_ok, disabled)"},

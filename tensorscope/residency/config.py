@@ -11,11 +11,26 @@ from collections.abc import Callable
 
 import torch
 
+from tensorscope._torch import storage_door_missing
 from tensorscope._units import parse_bytes
 from tensorscope.errors import ArgumentTypeError, InvalidArgumentError, ResidencyError
 from tensorscope.policies import Flow, Genoa, Policy
 
-__all__ = ["check_offload_dir", "parse_budget", "parse_device", "parse_policy"]
+__all__ = [
+    "check_offload_dir",
+    "check_storage_door",
+    "parse_budget",
+    "parse_device",
+    "parse_policy",
+]
+
+
+def check_storage_door() -> None:
+    """Raise ``ResidencyError`` where no managed storage could move (torch without
+    ``_swap_data_ptr_`` and without tensorscope's storage module: _torch.py's NOTE)."""
+    why = storage_door_missing()
+    if why is not None:
+        raise ResidencyError(f"tensorscope.residency: nothing can move between tiers: {why}.")
 
 
 def parse_budget(budget: object) -> int | None:

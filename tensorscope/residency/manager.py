@@ -145,6 +145,7 @@ class ResidencyManager(ModuleSupport):
             ResidencyError: an unwritable or unsafe ``offload_dir``, or one changed while data
                 is on disk; a new device while tensors are managed.
         """
+        config.check_storage_door()
         new_budget = self._budget if budget is _UNSET else config.parse_budget(budget)
         new_policy = self._policy if policy is _UNSET else config.parse_policy(policy)
         new_device = self._device if device is _UNSET else config.parse_device(device)
@@ -272,12 +273,19 @@ class ResidencyManager(ModuleSupport):
                 sum(p.nbytes for p in in_checkpoint),
                 self.converted,
                 self.pace.read_rate,
+                *self._allocator_bytes(),
             )
             if reset:
                 ledger.reset_counters()
             return rep
 
     # ------------------------------------------------------------------------ registration
+    def _allocator_bytes(self) -> tuple[int | None, int | None]:
+        """(reserved, allocated) of the CUDA caching allocator on the device; Nones elsewhere."""
+        if self._device.type != "cuda" or not torch.cuda.is_initialized():  # type: ignore[no-untyped-call]
+            return None, None
+        return torch.cuda.memory_reserved(self._device), torch.cuda.memory_allocated(self._device)
+
     def placement_of(self, tensor: torch.Tensor) -> Placement | None:
         """The placement managing ``tensor``'s storage, or None."""
         return self.ledger.find(tensor)
@@ -568,7 +576,10 @@ class ResidencyManager(ModuleSupport):
             return  # lost bytes: the op that needs them raises, a prefetch must not
         source = placement.tier
         if self._device.type == "cuda":
-            seconds = movers.promote(placement, background=True)
+            try:
+                seconds = movers.promote(placement, background=True)
+            except ResidencyError:
+                return  # the allocator is full now: the op that needs it promotes (or raises)
         elif placement.tier != "disk":
             self.promote_placement(placement)
             return

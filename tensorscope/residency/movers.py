@@ -81,6 +81,17 @@ class Movers:
         with no_dispatch():  # the manager's own copies must not re-enter the interceptor
             return self._demote(placement, target)
 
+    def _refused(self, placement: Placement, target: str, exc: BaseException) -> ResidencyError:
+        """An allocator could not serve a move (API §12): the data stays where it was."""
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        return ResidencyError(
+            f"tensorscope.residency: moving {describe(placement)} "
+            f"({format_bytes(placement.nbytes)}) from the {placement.tier} tier to the {target} "
+            f"tier failed: the allocator could not serve it ({first}). It stays on the "
+            f"{placement.tier} tier, unchanged. Free memory there (tensors outside the budget, "
+            "torch.cuda.empty_cache()) or lower the budget (ts.residency.configure(budget=...))."
+        )
+
     def _demote(self, placement: Placement, target: TierName) -> float:
         start = time.perf_counter()
         placement.wait()
@@ -92,7 +103,10 @@ class Movers:
         elif target == "host":
             if self.host is None:
                 raise ResidencyError("tensorscope.residency: no host tier on this device")
-            host = self.host.allocate(placement.nbytes)
+            try:
+                host = self.host.allocate(placement.nbytes)
+            except RuntimeError as exc:  # pragma: no cover - pinned memory refused (CUDA)
+                raise self._refused(placement, "host", exc) from exc
             host.copy_(placement.storage)
             self._release_device(placement)
             placement.host = host
@@ -216,9 +230,13 @@ class Movers:
             placement.written = True
 
     def promote(self, placement: Placement, background: bool = False) -> float:
-        """Bring the bytes to the device (``check_readable`` first: this must not fail)."""
+        """Bring the bytes to the device (``check_readable`` first: this must not fail, but for
+        a device allocator that cannot serve it: ``ResidencyError``, nothing changed)."""
         with no_dispatch():
-            return self._promote(placement, background)
+            try:
+                return self._promote(placement, background)
+            except torch.OutOfMemoryError as exc:  # pragma: no cover - needs a CUDA device
+                raise self._refused(placement, "device", exc) from exc
 
     def _promote(self, placement: Placement, background: bool) -> float:
         start = time.perf_counter()

@@ -41,6 +41,10 @@ class ResidencyReport:
     # The disk tier's measured read rate, bytes/s (None until a read was timed): Flow's
     # prefetch depth follows it (policies/flow.py).
     read_rate: float | None = None
+    # On CUDA: the caching allocator's reserved and allocated bytes on the device when the
+    # report was made (everything the process holds there, managed or not); None elsewhere.
+    device_reserved_bytes: int | None = None
+    device_allocated_bytes: int | None = None
 
     @property
     def peak_bytes(self) -> int:
@@ -63,6 +67,11 @@ class ResidencyReport:
             f"  transfers: {t.count} moves, {format_bytes(t.bytes)} in {t.seconds:.3f} s; "
             f"{self.prefetches} prefetched"
         )
+        if self.device_reserved_bytes is not None:
+            lines.append(
+                f"  the device's allocator: {format_bytes(self.device_reserved_bytes)} reserved, "
+                f"{format_bytes(self.device_allocated_bytes or 0)} allocated (all tensors)"
+            )
         if self.read_rate is not None:
             lines.append(f"  disk reads measured at {self.read_rate / 1e9:.2f} GB/s")
         if self.checkpoint_placements or self.converted:

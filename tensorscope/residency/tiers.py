@@ -19,7 +19,8 @@ from typing import TYPE_CHECKING, Literal
 
 import torch
 
-from tensorscope._torch import new_storage, swap_data_ptr
+from tensorscope._torch import new_storage, storage_door_missing, swap_data_ptr
+from tensorscope.errors import ResidencyError
 
 if TYPE_CHECKING:
     from tensorscope.residency.disk import DiskTier
@@ -93,7 +94,11 @@ def swap_in(storage: torch.UntypedStorage, source: torch.UntypedStorage) -> None
 def move_into_file(disk: DiskTier, storage: torch.UntypedStorage) -> DiskRegion:
     """CPU device: write ``storage``'s bytes to a new region of ``disk`` and make the region's
     mapping its memory (the same storage object: every tensor on it follows; the heap memory
-    goes back to the allocator). Raises before changing anything if the disk is full."""
+    goes back to the allocator). Raises before changing anything if the disk is full, or if
+    no storage's memory can be exchanged here (_torch.py's NOTE [the storage door])."""
+    why = storage_door_missing()
+    if why is not None:
+        raise ResidencyError(f"tensorscope.residency: nothing can move between tiers: {why}.")
     region = disk.store(storage.data_ptr(), storage.nbytes())
     swap_in(storage, region.storage())
     return region

@@ -17,7 +17,7 @@ PACKAGE = Path(tensorscope.__file__).parent
 
 # Lowest first. A package ("residency") is one unit here; inside it only cycles are checked.
 LAYERS: list[tuple[str, ...]] = [
-    ("errors", "_fast"),  # the exception hierarchy; the C++ engine (csrc/fast.cpp)
+    ("errors", "_fast", "_storage"),  # the exception hierarchy; the C++ engine; the storage door
     ("_units", "policies", "graph"),  # pure Python: no torch plumbing
     ("_engine",),  # the C++ scope engine, when built
     # typed doors to torch internals; creation sites; our global optimizer-step hooks
@@ -41,7 +41,8 @@ LAYERS: list[tuple[str, ...]] = [
     ("checkpoint", "memory", "plan"),  # rotor; RSS sampling; the memory plan of a step
     # ts.fit: one plan of a training step under a byte budget; activation offload (offload*.py)
     ("fit",),
-    ("demo", "integrations"),  # `tensorscope demo`; callbacks for other libraries (HF Trainer)
+    # `tensorscope demo`; callbacks for other libraries (HF Trainer); `tensorscope check`
+    ("demo", "integrations", "check"),
     ("cli", "__init__"),  # the command line and the public face
 ]
 RANK = {unit: rank for rank, units in enumerate(LAYERS) for unit in units}

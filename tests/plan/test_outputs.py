@@ -17,10 +17,17 @@ from ._support import mlp, mlp_step
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 
+# The recorded model lives as long as the module's tests: the plan names modules by id(), and a
+# module made later (test_what_if_naming_a_block_that_did_not_run) could otherwise get the id of
+# a freed one that ran (seen once under Python 3.12).
+_MODELS: list[torch.nn.Module] = []
+
+
 @pytest.fixture(scope="module")
 def plan() -> ts.MemoryPlan:
     torch.set_num_threads(1)
     model = mlp()
+    _MODELS.append(model)
     opt = torch.optim.Adam(model.parameters())
     step = mlp_step(model, opt)
     step()

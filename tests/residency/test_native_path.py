@@ -163,3 +163,33 @@ def test_two_threads_with_resident_models_stay_exact() -> None:
     assert ts.residency.report().tiers["device"].peak_bytes <= 4 * MiB
     for handle in handles:
         handle.remove()
+
+
+@torch.jit.script
+def _matmul(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    return x @ w
+
+
+@torch.jit.script
+def _forked_matmul(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    return torch.jit.wait(torch.jit.fork(_matmul, x, w))
+
+
+def test_a_thread_that_inherits_the_key_goes_through_the_manager() -> None:
+    """torch hands a thread's dispatch keys to the threads that work for it: autograd's device
+    threads (a CUDA backward), TorchScript's fork (here, on the CPU). Such a thread never
+    attached, yet its ops on managed tensors must take the op path (a demoted CUDA storage
+    read plain would be freed memory): as the Python engine's inherited mode does."""
+    torch.manual_seed(0)
+    model = nn.Linear(256, 256, bias=False)
+    ts.residency.configure(policy="genoa", budget=300_000)
+    x = torch.randn(4, 256)
+    expected = x @ model.weight.detach().clone()
+    with ts.manage(model):
+        w = model.weight
+        for _ in range(2):
+            w.demote()  # type: ignore[attr-defined]
+            before = ts.residency.report().transfers.count
+            out = _forked_matmul(x, w)
+            assert ts.residency.report().transfers.count - before == 2  # promoted, demoted
+            assert torch.equal(out, expected)
