@@ -23,7 +23,11 @@ __all__ = ["Fit", "fit"]
 
 
 def fit(
-    model: nn.Module, optimizer: Optimizer, budget: int | str, *, blocks: str | None = None
+    model: nn.Module,
+    optimizer: Optimizer,
+    budget: int | str,
+    *,
+    blocks: str | None = None,
 ) -> Fit:
     """Fit ``model``'s training step with ``optimizer`` into ``budget`` bytes; nothing runs yet.
 
@@ -71,7 +75,7 @@ def fit(
         True
         >>> fitted.remove()
     """
-    from tensorscope.fit.handle import make_fit
+    from tensorscope.fit.make import make_fit
 
     return make_fit(model, optimizer, budget, blocks=blocks)
 

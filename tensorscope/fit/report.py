@@ -98,6 +98,7 @@ def explain(f: Facts) -> str:
             lines.append(
                 "  not measured yet: the first training step is recorded, then the plan is decided"
             )
+        lines += [f"  note: {note}" for note in f.notes]
         return "\n".join(lines)
     how = "every block recomputed while measuring, " if f.chain_path is not None else ""
     lines.append(

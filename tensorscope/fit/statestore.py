@@ -226,6 +226,7 @@ class StateStore:
         self.stepping = False  # inside one parameter's step of a stepwise optimizer.step()
         self.stepwise_updates = 0
         self._set_aside: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self._updated: list[torch.Tensor] = []  # by the stepwise step in progress
         self._was_spilled = False  # at the last state_dict() call
         self._handles = [
             optimizer.register_step_pre_hook(self._before_step),
@@ -473,6 +474,7 @@ class StateStore:
     def _step_each(self) -> None:
         """NOTE [a kept-gradient step one parameter at a time]."""
         opt = self.optimizer
+        self._updated = []
         try:
             for group in list(opt.param_groups):
                 for p in list(group["params"]):
@@ -491,6 +493,7 @@ class StateStore:
                     finally:
                         self.stepping = False
                     self._set_aside.append((p, p.grad))
+                    self._updated.append(p)
                     p.grad = None
                     self.stepwise_updates += 1
         except BaseException:
@@ -500,6 +503,16 @@ class StateStore:
     def _after_own_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         if not self.stepping:
             self._restore_gradients()
+            self._updated = []
+
+    def abort(self) -> list[torch.Tensor]:
+        """The step stopped half-way (an exception out of its ``optimizer.step()``, NOTE [an
+        aborted step] in fit/abort.py): the gradients set aside are given back and the state
+        read back goes out again. Returns the parameters a stepwise step updated before."""
+        self._restore_gradients()
+        updated, self._updated = self._updated, []
+        self.after_step()
+        return updated
 
     def _restore_gradients(self) -> None:
         while self._set_aside:

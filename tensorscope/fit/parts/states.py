@@ -1,0 +1,116 @@
+"""The state store part: the optimizer state in the next tier between updates when a decision
+says so (NOTE [optimizer state between updates], fit/statestore.py).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import nn
+
+from tensorscope.fit.inbackward import parameters_of, unknown_optimizer
+from tensorscope.fit.offload_rules import Bandwidth
+from tensorscope.fit.parts import Decided, Part, Step
+from tensorscope.fit.rows import ROW_BLOCK_BYTES
+from tensorscope.fit.statestore import StateStore, row_safe
+
+__all__ = ["OptimizerStates"]
+
+
+class OptimizerStates(Part):
+    """Holds the store (made when first needed: a decision offloads the state, or its
+    bandwidth is measured).
+
+    Attributes:
+        store: the store, once made.
+        in_rows: whether updates of large parameters run in row blocks (NOTE [updates in row
+            blocks]) under the decision in force.
+    """
+
+    def __init__(self) -> None:
+        self.store: StateStore | None = None
+        self.in_rows = False
+        self._optimizer: torch.optim.Optimizer | None = None
+        self._bandwidth: Bandwidth | None = None
+
+    @property
+    def known(self) -> bool:
+        """Whether ts.fit knows the optimizer (its update of one parameter reads only that
+        parameter's gradient and state)."""
+        return self._optimizer is not None and unknown_optimizer(self._optimizer) is None
+
+    @property
+    def stepwise_ok(self) -> bool:
+        """Whether a kept-gradient step can run one parameter at a time (statestore.py NOTE
+        [a kept-gradient step one parameter at a time])."""
+        return self.known
+
+    @property
+    def row_safe(self) -> bool:
+        """Whether row-block updates give the whole update's bits (NOTE [updates in row
+        blocks])."""
+        return self._optimizer is not None and self.known and row_safe(self._optimizer)
+
+    def row_block(self) -> int:
+        """Bytes of a row block (0: state written and updated whole)."""
+        return ROW_BLOCK_BYTES if self.row_safe else 0
+
+    def attach(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        self._optimizer = optimizer
+
+    def detach(self) -> None:
+        if self.store is not None:
+            self.store.close()
+
+    def get(self) -> StateStore:
+        """The store (made now if it was not)."""
+        if self.store is None:
+            assert self._optimizer is not None, "attached first"
+            self.store = StateStore(self._optimizer, known=self.known)
+        return self.store
+
+    def bandwidth(self) -> Bandwidth:
+        """The store's measured bandwidth below the parameters' device (once)."""
+        if self._bandwidth is None:
+            params = parameters_of(self._optimizer) if self._optimizer is not None else []
+            device = next((p.device for p in params), torch.device("cpu"))
+            self._bandwidth = self.get().measure(device)
+        return self._bandwidth
+
+    def decide(self, decided: Decided) -> bool:
+        decision = decided.decision
+        offloaded = decision.chosen.base.state_offloaded
+        stepwise = offloaded and not decision.free_gradients and self.stepwise_ok
+        self.in_rows = offloaded and (decision.free_gradients or stepwise)
+        if offloaded:  # NOTE [updates in row blocks] (statestore.py)
+            store = self.get()
+            store.enabled = True
+            store.stepwise = stepwise
+            store.set_row_block(self.row_block() if self.in_rows else 0)
+            store.spill(dict(store.optimizer.state))
+        elif self.store is not None:
+            self.store.disable()
+        return True
+
+    def step_start(self, step: Step) -> None:
+        if step.measured and self.store is not None:  # resident, as in step 1
+            self.store.disable()
+
+    def step_end(self, step: Step | None) -> None:
+        if self.store is not None:  # after the recorder's hook: it saw the state resident
+            self.store.after_step()
+
+    def after_update(self) -> None:
+        """One parameter's update inside backward is done: its state goes out again."""
+        if self.store is not None:
+            self.store.after_step()
+
+    def abort(self, step: Step) -> Sequence[torch.Tensor]:
+        if self.store is None:
+            return ()
+        return self.store.abort()
+
+    @property
+    def stepping(self) -> bool:
+        return self.store is not None and self.store.stepping
