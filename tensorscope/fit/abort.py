@@ -14,30 +14,41 @@
 #     backward through the step began, and queues an engine callback that notes its end; a
 #     backward that raised after reaching the model never ends.
 #   - optimizer.step(): the global step pre-hook notes its start, the post-hook its end.
-# A step in one of these states is dead once nothing of it can still be running: at the
-# model's next forward (any mode), its optimizer's next step, another fitted model's step
-# starting on the same thread, explain() and remove() -- never inside a backward (a forward
-# there is a recomputation). That is when the abort happens, deterministically. A backward that
-# raised before it reached the model's outputs (in the loss's own backward) changed nothing of
-# the model and is not seen: the model's next forward counts as a second forward of the step.
+# A forward or optimizer.step() begun and not ended may still be running (a fitted model called
+# inside another's forward, a closure's forward inside optimizer.step()): the frame of its call
+# is kept, and it is dead once that frame is off the stack. A step is checked at the model's
+# next forward (any mode), its optimizer's next step, another fitted model's step starting on
+# the same thread, explain() and remove() -- on the step's thread, never inside a backward (a
+# forward there is a recomputation). That is when the abort happens, deterministically. A
+# backward that raised before it reached the model's outputs (in the loss's own backward)
+# changed nothing of the model and is not seen: the model's next forward counts as a second
+# forward of the step.
 # Updates that already ran cannot be taken back: optimizer-in-backward (fit/inbackward.py) and a
 # kept-gradient step run one parameter at a time (statestore.py) update parameters before the
-# step ends; the parts' abort returns them.
+# step ends; they are named in a FitWarning. ts.fit(..., atomic=True) uses neither, so an
+# aborted step leaves parameters and optimizer state as they were (docs/fit.md, "Aborted
+# steps", for what that costs).
 """
 
 from __future__ import annotations
 
+import sys
 import threading
+import warnings
 import weakref
+from collections.abc import Sequence
+from types import FrameType
 from typing import Any, Protocol
 
 import torch
+from torch import nn
 
 from tensorscope._torch import graph_task_id
+from tensorscope.errors import FitWarning
 from tensorscope.fit.parts import Step
 from tensorscope.plan.hooks import tensors_in
 
-__all__ = ["OpenSteps", "dead", "watch_backward"]
+__all__ = ["OpenSteps", "dead", "running", "updated_words", "warn_updated", "watch_backward"]
 
 
 def watch_backward(step: Step, output: Any) -> None:
@@ -60,15 +71,26 @@ def watch_backward(step: Step, output: Any) -> None:
             tensor.register_hook(reached)  # type: ignore[no-untyped-call]
 
 
+def running(frame: FrameType | None) -> bool:
+    """Whether ``frame`` is on this thread's stack: its call has not returned."""
+    here: FrameType | None = sys._getframe(1)
+    while here is not None:
+        if here is frame:
+            return True
+        here = here.f_back
+    return False
+
+
 def dead(step: Step) -> str | None:
-    """What of ``step`` raised, when nothing of it can still be running; else None."""
-    if graph_task_id() != -1:  # inside a backward: a forward now is a recomputation
-        return None
-    if step.in_forward:
+    """What of ``step`` raised, when nothing of it can still be running; else None. Only on
+    the step's thread (another thread cannot tell a running forward from a dead one)."""
+    if threading.get_ident() != step.thread or graph_task_id() != -1:
+        return None  # inside a backward: a forward now is a recomputation
+    if not all(running(frame) for frame in step.running):
         return "forward"
     if step.backwards:
         return "backward"
-    if step.stepping:
+    if step.stepping is not None and not running(step.stepping):
         return "optimizer.step()"
     return None
 
@@ -100,3 +122,44 @@ class OpenSteps:
         for fit in list(self._fits()):
             if fit is not but:
                 fit._abort_if_dead()
+
+
+def updated_words(
+    model: nn.Module, params: Sequence[torch.Tensor], blocks: Sequence[nn.Module], path: str
+) -> str:
+    """``params`` named by where they live: the chain's blocks (``transformer.h.3``) and the
+    other modules, with how many of each were updated.
+
+    Example:
+        >>> net = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2))
+        >>> updated_words(net, [net[1].weight, net[1].bias, net[0].bias], [], "")
+        '1 (2 parameters), 0 (1)'
+    """
+    where: dict[int, str] = {}
+    for name, module in model.named_modules():
+        for p in module.parameters(recurse=False):
+            where.setdefault(id(p), name or type(model).__name__)
+    for k, block in enumerate(blocks):
+        for p in block.parameters():
+            where[id(p)] = f"{path}.{k}" if path else f"block {k}"
+    counts: dict[str, int] = {}
+    for p in params:
+        key = where.get(id(p), "another module")
+        counts[key] = counts.get(key, 0) + 1
+    words = [f"{key} ({n})" for key, n in counts.items()]
+    if words:
+        first = next(iter(counts))
+        words[0] = f"{first} ({counts[first]} parameter{'s' * (counts[first] != 1)})"
+    return ", ".join(words)
+
+
+def warn_updated(number: int, what: str, updated: Sequence[torch.Tensor], words: str) -> None:
+    """The FitWarning of an aborted step that updated parameters (NOTE [an aborted step])."""
+    warnings.warn(
+        f"tensorscope.fit: step {number} was aborted (an exception propagated out of its "
+        f"{what}) after {len(updated)} parameters were already updated in it: {words}. They "
+        f"keep their new values and optimizer state; the others are as before the step. "
+        f"ts.fit(..., atomic=True) keeps every step atomic (fit.explain() says at what cost).",
+        FitWarning,
+        stacklevel=4,
+    )

@@ -14,7 +14,7 @@ from torch import nn
 from tensorscope.checkpoint.offloaded import OffloadModel
 from tensorscope.errors import ScheduleError
 from tensorscope.fit.account import StepBase, step_base
-from tensorscope.fit.decide import Decision, decide
+from tensorscope.fit.decide import Candidate, Decision, decide
 from tensorscope.fit.inbackward import parameters_of, unknown_optimizer
 from tensorscope.fit.parts import Decided
 from tensorscope.fit.statestore import per_parameter_state_bytes
@@ -50,6 +50,7 @@ class Decider:
     Attributes:
         slack: bytes held back from the chain's share after measured excesses.
         retries: measured excesses so far (the decision is taken again twice at most).
+        atomic: ``ts.fit(..., atomic=True)``: gradients are never freed inside backward.
     """
 
     model: nn.Module
@@ -59,6 +60,7 @@ class Decider:
     offload: ActivationOffload
     place: ParamPlacement
     states: OptimizerStates
+    atomic: bool = False
     slack: int = 0
     retries: int = 0
 
@@ -70,6 +72,11 @@ class Decider:
     def why_grads_kept(self, plan: MemoryPlan, forwards: int, grads_at_start: bool) -> list[str]:
         """Why gradients cannot be freed at their update in steps like the recorded one."""
         reasons = []
+        if self.atomic:
+            reasons.append(
+                "ts.fit(..., atomic=True): an update inside backward cannot be undone if the "
+                "step is aborted (NOTE [an aborted step])"
+            )
         note = self.optimizer_note
         if note is not None:
             reasons.append(note + "; treated conservatively")
@@ -136,6 +143,17 @@ class Decider:
                 raise
             decision = decide_with(self.bases(plan, free_gradients, placed=True))
         return Decided(decision, offload)
+
+    def freed_alternative(self, plan: MemoryPlan) -> Candidate | None:
+        """What ``atomic=True`` costs: the plan ts.fit would choose for steps like ``plan``
+        without it (None: none fits)."""
+        atomic, self.states.atomic = self.states.atomic, False
+        try:
+            return self.decide(plan, True).decision.chosen
+        except ScheduleError:
+            return None
+        finally:
+            self.states.atomic = atomic
 
     def bases(self, plan: MemoryPlan, free_gradients: bool, placed: bool = False) -> list[StepBase]:
         """The ways of running the step outside the chain; ``placed``: those with the chain's

@@ -13,10 +13,12 @@ step], abort.py).
 from __future__ import annotations
 
 import statistics
+import sys
 import threading
 import time
 import warnings
 import weakref
+from types import FrameType
 from typing import Any
 
 import torch
@@ -26,9 +28,16 @@ from tensorscope import _step_hooks
 from tensorscope._units import format_bytes
 from tensorscope.errors import FitWarning, ScheduleError
 from tensorscope.fit import fitted
-from tensorscope.fit.abort import OpenSteps, dead, watch_backward
+from tensorscope.fit.abort import (
+    OpenSteps,
+    dead,
+    running,
+    updated_words,
+    warn_updated,
+    watch_backward,
+)
 from tensorscope.fit.account import chain_backward_peak, placed_peak
-from tensorscope.fit.decide import Decision
+from tensorscope.fit.decide import Candidate, Decision
 from tensorscope.fit.decider import Decider
 from tensorscope.fit.inbackward import parameters_of
 from tensorscope.fit.parts import Decided, Parts, Step
@@ -50,11 +59,20 @@ _SUB = "tensorscope.fit"
 _OPEN = OpenSteps()  # NOTE [an aborted step]: the fits with a step open, per thread
 
 
-def _weak(ref: weakref.ref[Fit], name: str) -> Any:
+def _weak_pre(ref: weakref.ref[Fit]) -> Any:
+    def call(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        fit = ref()
+        if fit is not None:  # frame 2: torch's step() wrapper, which _step_hooks._run_pre called
+            fit._before_step(optimizer, sys._getframe(2))
+
+    return call
+
+
+def _weak_post(ref: weakref.ref[Fit]) -> Any:
     def call(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         fit = ref()
         if fit is not None:
-            getattr(fit, name)(optimizer)
+            fit._after_step(optimizer)
 
     return call
 
@@ -77,9 +95,10 @@ def _input_nbytes(args: tuple[Any, ...], kwargs: dict[str, Any]) -> int:
 class _Call:
     """One call of the model, from its forward pre-hook to its always_call forward hook."""
 
-    __slots__ = ("returned", "step")
+    __slots__ = ("frame", "returned", "step")
 
-    def __init__(self) -> None:
+    def __init__(self, frame: FrameType) -> None:
+        self.frame = frame  # torch's call of the forward: on the stack while it runs
         self.step: Step | None = None  # the step it is a training forward of
         self.returned = False
 
@@ -90,6 +109,7 @@ class Fit:
     Attributes:
         model, optimizer: what was fitted.
         budget_bytes: the budget, in bytes.
+        atomic: whether every step is atomic (``ts.fit(..., atomic=True)``).
         chain: the block chain (a :class:`~tensorscope.checkpoint.CheckpointedChain`), or None
             when the model has none (``chain_note`` says why).
         plan_before: the recorded first step (a :class:`~tensorscope.MemoryPlan`), once it ran.
@@ -105,14 +125,16 @@ class Fit:
         optimizer: torch.optim.Optimizer,
         budget: int,
         blocks: str | None,
+        atomic: bool = False,
     ) -> None:
         self.model = model
         self.optimizer = optimizer
         self.budget_bytes = budget
+        self.atomic = atomic
         self.chain, self.chain_note = find_the_chain(model, blocks)
         self._offload = ActivationOffload()
         self._place = ParamPlacement(self.chain)
-        self._states = OptimizerStates()
+        self._states = OptimizerStates(atomic)
         self._loss = LossRouting()
         self._recorder = StepRecorder()
         # NOTE [fit as parts]: the order. Attached, decided and started top-down; detached,
@@ -129,7 +151,7 @@ class Fit:
             ]
         )
         self._decider = Decider(
-            model, optimizer, budget, self.chain, self._offload, self._place, self._states
+            model, optimizer, budget, self.chain, self._offload, self._place, self._states, atomic
         )
         self.optimizer_note = self._decider.optimizer_note
         self.plan_before: MemoryPlan | None = None
@@ -146,7 +168,9 @@ class Fit:
         self._after_at = 0
         self._times: list[float] = []
         self._corrected_peak: int | None = None  # plan_after's peak, read-ahead and placement
+        self._freed: Candidate | None = None  # atomic=True: the best plan freeing gradients
         self._local = threading.local()  # this thread's model calls (_Call), innermost last
+        self._stepping: FrameType | None = None  # the user's optimizer.step() running now
         self._parts.attach(model, optimizer)
         self._handles = [
             model.register_forward_pre_hook(self._before, with_kwargs=True),
@@ -157,8 +181,8 @@ class Fit:
         # before the global ones, and the recorder notes optimizer state in its hook
         ref = weakref.ref(self)
         steps = (
-            _step_hooks.add_pre(_weak(ref, "_before_step"), rank=1),
-            _step_hooks.add_post(_weak(ref, "_after_step"), rank=1),
+            _step_hooks.add_pre(_weak_pre(ref), rank=1),
+            _step_hooks.add_post(_weak_post(ref), rank=1),
         )
         # a model dropped without remove(): its hooks go with it, and so do these
         assert self._recorder.hooks is not None  # attached
@@ -188,8 +212,10 @@ class Fit:
         return calls
 
     def _before(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        call = _Call()
-        self._calls().append(call)  # first: the always_call hook pops it, whatever raises
+        call, calls = _Call(sys._getframe(1)), self._calls()
+        if calls:  # a BaseException skips the always_call hook: those calls do not run
+            calls[:] = [c for c in calls if running(c.frame)]
+        calls.append(call)  # first: the always_call hook pops it, whatever raises
         if self.removed:
             return
         self._abort_if_dead()  # this model's step, if a forward now means it is dead
@@ -203,7 +229,7 @@ class Fit:
         step = self._step
         assert step is not None  # _begin made it, or raised
         step.forwards += 1
-        step.in_forward += 1
+        step.running.append(call.frame)
         call.step = step
         self._parts.forward_start(step)
 
@@ -218,7 +244,7 @@ class Fit:
         step = call.step if call is not None else None
         if call is None or step is None or step is not self._step:
             return
-        step.in_forward -= 1
+        step.running.remove(call.frame)
         self._parts.forward_end(step)
         if not call.returned:  # an Exception left the forward (NOTE [an aborted step])
             self._abort("forward")
@@ -231,6 +257,8 @@ class Fit:
         self._phase = advance(self._phase, Event.REMEASURE if grown else Event.BEGIN)
         measured = self._phase.measuring
         step = Step(self.steps + 1, measured, measured, batch_nbytes, grads)
+        if running(self._stepping):  # begun by a closure inside optimizer.step()
+            step.stepping = self._stepping
         self._step = step
         _OPEN.opened(self)
         decision = self.decision
@@ -242,20 +270,22 @@ class Fit:
         step.recorded = measured or (self.plan_after is None and self.steps >= self._after_at)
         self._parts.step_start(step)
 
-    def _before_step(self, optimizer: torch.optim.Optimizer) -> None:
+    def _before_step(self, optimizer: torch.optim.Optimizer, frame: FrameType) -> None:
         if optimizer is not self.optimizer or self.removed or self._parts.stepping:
             return
         self._abort_if_dead()  # a backward that raised: this optimizer.step() is no step's
+        self._stepping = frame  # a step begun inside it (a closure's forward) runs inside it
         if self._step is not None:
-            self._step.stepping = True
+            self._step.stepping = frame
 
     def _after_step(self, optimizer: torch.optim.Optimizer) -> None:
         if optimizer is not self.optimizer or self.removed or self._parts.stepping:
             return
         step, self._step = self._step, None
+        self._stepping = None
         if step is not None:
             _OPEN.closed(self)
-            step.stepping = False
+            step.stepping = None
             if self._phase is Phase.REMEASURING:
                 self.notes.append(
                     f"step {step.number}: the batch grew ({format_bytes(self._batch_nbytes)} -> "
@@ -293,19 +323,25 @@ class Fit:
         step, self._step = self._step, None
         if step is None:
             return
+        self._stepping = None
         _OPEN.closed(self)
         calls = self._calls()
         calls[:] = [c for c in calls if c.step is not step]  # forwards that never returned
         again = self._phase is Phase.REMEASURING and self._decided is not None
         self._phase = advance(self._phase, Event.ABORT)
-        self._parts.abort(step)
+        updated = self._parts.abort(step)
         if again and self._decided is not None:  # the measured step turned parts off
             self._parts.decide(self._decided)
         if what is None:
             return
-        self.notes.append(
-            f"step {step.number}: aborted (an exception propagated out of its {what})"
-        )
+        note = f"step {step.number}: aborted (an exception propagated out of its {what})"
+        if updated:
+            chain = self.chain
+            blocks, path = (chain.blocks, chain.path) if chain is not None else ((), "")
+            words = updated_words(self.model, updated, blocks, path)
+            note += f"; {len(updated)} parameters were already updated in it: {words}"
+            warn_updated(step.number, what, updated, words)
+        self.notes.append(note)
 
     # -- deciding ----------------------------------------------------------------------------
 
@@ -317,6 +353,8 @@ class Fit:
             plan, step.forwards, step.grads_at_start
         )
         self._apply(plan, not self.grads_kept_because)
+        if self.atomic and len(self.grads_kept_because) == 1:  # what atomic=True costs
+            self._freed = self._decider.freed_alternative(plan)
         if plan.peak_bytes > self.budget_bytes:
             warnings.warn(
                 f"{_SUB}: the measuring step (every block recomputed, gradients kept) held "
@@ -435,7 +473,7 @@ class Fit:
     def explain(self) -> str:
         """The plan in words: per block kept / recomputed / offloaded, where model state lives,
         whether gradients are freed at their update (or why not), predicted and measured peak
-        and step time. See docs/fit.md for a real one.
+        and step time, what an aborted step leaves. See docs/fit.md for a real one.
 
         Example:
             >>> import torch, tensorscope as ts
@@ -471,6 +509,9 @@ class Fit:
                 offload_why_not=offload_why_not(self.optimizer, chain, self._offload.off),
                 offload_read_ahead=self._offload.read_ahead,
                 measured_peak=self.measured_peak(self.plan_after) if self.plan_after else 0,
+                atomic=self.atomic,
+                stepwise=self._states.store is not None and self._states.store.stepwise,
+                freed=self._freed,
             )
         )
 

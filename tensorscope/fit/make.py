@@ -31,12 +31,16 @@ def _unwrap(optimizer: Any) -> torch.optim.Optimizer:
     return optimizer
 
 
-def make_fit(model: Any, optimizer: Any, budget: Any, *, blocks: str | None = None) -> Fit:
+def make_fit(
+    model: Any, optimizer: Any, budget: Any, *, blocks: str | None = None, atomic: bool = False
+) -> Fit:
     """:func:`tensorscope.fit` (see its docstring)."""
     if not isinstance(model, nn.Module):
         raise ArgumentTypeError(f"{_SUB}: ts.fit needs an nn.Module; got {type(model).__name__}")
     opt = _unwrap(optimizer)
     nbytes = parse_bytes(budget, what="budget", subsystem=_SUB)
+    if not isinstance(atomic, bool):
+        raise ArgumentTypeError(f"{_SUB}: ts.fit(atomic=...) takes a bool; got {atomic!r}")
     for name, module in model.named_modules():
         if getattr(module, "gradient_checkpointing", False) is True:
             raise InvalidArgumentError(
@@ -44,7 +48,7 @@ def make_fit(model: Any, optimizer: Any, budget: Any, *, blocks: str | None = No
                 f"ts.fit decides recomputation itself. Call model.gradient_checkpointing_disable() "
                 f"first."
             )
-    handle = fitted.claim((model, opt), lambda: Fit(model, opt, nbytes, blocks))
+    handle = fitted.claim((model, opt), lambda: Fit(model, opt, nbytes, blocks, atomic))
     _warn_if_the_first_step_cannot_fit(opt, nbytes)
     return handle
 

@@ -27,9 +27,11 @@ the step's events; ``Fit`` composes them in one declared order (handle.py, ``Fit
 from __future__ import annotations
 
 import contextlib
+import threading
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
+from types import FrameType
 from typing import TYPE_CHECKING
 
 import torch
@@ -67,10 +69,12 @@ class Step:
         batch_nbytes: bytes of the first forward's tensor inputs.
         grads_at_start: whether a gradient existed when it began.
         forwards: training forwards of the model so far.
-        in_forward: forwards begun that have not returned.
+        running: the frames of its forwards begun that have not returned (torch's call of the
+            model's forward: on the stack while it runs).
         backwards: autograd graph tasks through the model's outputs begun, not finished.
-        stepping: its ``optimizer.step()`` began and has not returned.
+        stepping: the frame of its ``optimizer.step()`` once that began, until it returns.
         started: ``time.perf_counter()`` at its first forward.
+        thread: the thread of its first forward.
     """
 
     number: int
@@ -79,10 +83,11 @@ class Step:
     batch_nbytes: int
     grads_at_start: bool
     forwards: int = 0
-    in_forward: int = 0
+    running: list[FrameType] = field(default_factory=list)
     backwards: set[int] = field(default_factory=set)
-    stepping: bool = False
+    stepping: FrameType | None = None
     started: float = field(default_factory=time.perf_counter)
+    thread: int = field(default_factory=threading.get_ident)
 
 
 class Part:

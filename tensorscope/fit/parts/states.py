@@ -26,11 +26,14 @@ class OptimizerStates(Part):
         store: the store, once made.
         in_rows: whether updates of large parameters run in row blocks (NOTE [updates in row
             blocks]) under the decision in force.
+        atomic: ``ts.fit(..., atomic=True)``: no kept-gradient step is run one parameter at a
+            time (it updates parameters inside the optimizer's pre-hook: NOTE [an aborted step]).
     """
 
-    def __init__(self) -> None:
+    def __init__(self, atomic: bool = False) -> None:
         self.store: StateStore | None = None
         self.in_rows = False
+        self.atomic = atomic
         self._optimizer: torch.optim.Optimizer | None = None
         self._bandwidth: Bandwidth | None = None
 
@@ -44,7 +47,7 @@ class OptimizerStates(Part):
     def stepwise_ok(self) -> bool:
         """Whether a kept-gradient step can run one parameter at a time (statestore.py NOTE
         [a kept-gradient step one parameter at a time])."""
-        return self.known
+        return self.known and not self.atomic
 
     @property
     def row_safe(self) -> bool:
