@@ -168,7 +168,7 @@ def _worker(cfg: dict[str, Any]) -> dict[str, Any]:
         share = BUDGETS[variant if variant in BUDGETS else variant[:-1]]
         fit = ts.fit(model, opt, budget=int(cfg["plain_tensors"] * share))
         if variant.endswith("r"):  # the ablation: no block offloaded
-            fit._offload_off = "taken out of the choices (the benchmark's ablation)"
+            fit._offload.off = "taken out of the choices (the benchmark's ablation)"
     elif variant == "tshf1":
         if cfg.get("hf1_tensors") is None:
             raise SystemExit("tshf1 needs hf1 in the same run (--variants ...,hf1,tshf1)")
@@ -239,15 +239,15 @@ def _offload_for_free() -> None:
     """``ts*o``: ts.fit's offload model with no I/O time, so every block it can offload is
     offloaded (what the offload really costs, against the count the decision uses)."""
     from tensorscope.checkpoint.offloaded import OffloadModel
-    from tensorscope.fit.handle import Fit
+    from tensorscope.fit.decider import Decider
 
-    measured = Fit._offload_model
+    measured = Decider.offload_model
 
-    def free(self: Fit) -> OffloadModel | None:
+    def free(self: Decider) -> OffloadModel | None:
         model = measured(self)
         return None if model is None else OffloadModel(model.nbytes, (0.0,) * len(model.nbytes))
 
-    Fit._offload_model = free  # type: ignore[method-assign]
+    Decider.offload_model = free  # type: ignore[method-assign]
 
 
 def _optimizer_in_backward(model: Any) -> _NoStep:

@@ -83,7 +83,8 @@ class ResidencyWarning(UserWarning):
 
 class FitWarning(UserWarning):
     """``ts.fit`` measured a step above its budget (the measuring first step, or a prediction
-    that fell short); it says what it does about it."""
+    that fell short), or an aborted step had already updated parameters; it says what it does
+    about it, or which."""
 
 
 class LeakWarning(UserWarning):

@@ -1,7 +1,7 @@
 """``checkpoint_chain``: rotor's schedule for a real model's chain of blocks, installed, removed.
 
-The model keeps its own forward and its own loop over the blocks; each block's ``forward`` is
-routed, for as long as the handle is installed, through the chain's executor (blockrun.py).
+The model keeps its own forward and its own loop over the blocks; each block's call is routed,
+while the chain is attached (routes.py), through the chain's executor (blockrun.py).
 """
 
 from __future__ import annotations
@@ -17,7 +17,6 @@ import torch
 from torch import nn
 from typing_extensions import Self
 
-from tensorscope._copies import MISSING, Attached, leave_out_of_copies
 from tensorscope._units import format_bytes, parse_bytes
 from tensorscope.checkpoint.blockprobe import BlockProbe, every_block_ops, retimed
 from tensorscope.checkpoint.blockrun import (
@@ -34,23 +33,17 @@ from tensorscope.checkpoint.find import find_chain
 from tensorscope.checkpoint.module import RNG_STATE_NBYTES
 from tensorscope.checkpoint.offloaded import OffloadModel, kept_offloaded, with_offload
 from tensorscope.checkpoint.profile import Profile
+from tensorscope.checkpoint.routes import BlockRoutes, routed
 from tensorscope.checkpoint.solver import min_memory, solve, store_all_memory
 from tensorscope.errors import ArgumentTypeError, InvalidArgumentError, ScheduleError
 
-__all__ = ["CheckpointedChain", "checkpoint_chain"]
+__all__ = ["CheckpointedChain", "checkpoint_chain", "find_blocks"]
 
 _SUB = "tensorscope.checkpoint"
 
-# NOTE [routing a model's blocks]
-# HF models call their blocks in a Python loop, so the chain is driven by the model itself:
-# while installed, each block has an instance attribute `forward` (the handle's dispatcher;
-# nn.Module.__call__ looks it up before the class's forward) and nothing else changes -- the
-# module tree, state_dict keys, isinstance checks, train()/eval() and hooks stay the model's.
-# (Wrapping each block in a module of ours, like HF's GradientCheckpointingLayer base class,
-# would rename every parameter while installed: a Trainer checkpoint saved then would not load
-# into the model.) remove() deletes the attribute, or restores one that was there before (an
-# accelerate hook), and is idempotent. A block found with HF's gradient checkpointing on is
-# refused: it would checkpoint our Functions inside its own.
+# NOTE [routing a model's blocks] lives in routes.py: attach() routes each block's call here,
+# remove() gives it back; a block found with HF's gradient checkpointing on is refused: it
+# would checkpoint our Functions inside its own.
 #
 # NOTE [chain lifecycle]
 # A call of block 0 in training mode with grad enabled, where the input or a parameter needs
@@ -116,15 +109,13 @@ class CheckpointedChain:
         self.offload_model: OffloadModel | None = None
         self.offloaded: tuple[int, ...] = ()
         self.placer: Placer | None = None  # where the blocks' parameters are between uses
-        self._saved: list[tuple[nn.Module, object]] = []
-        self._forwards: list[Callable[..., Any]] = []
-        self._kept_out: list[Attached] = []  # NOTE [copies of a module we attached to]
-        for k, block in enumerate(self.blocks):
-            previous = block.__dict__.get("forward", _MISSING)
-            self._saved.append((block, previous))
-            self._forwards.append(block.forward)
-            block.forward = _Dispatch(self, k)
-            self._kept_out.append(leave_out_of_copies(block, attrs={"forward": previous}))
+        self._routes = BlockRoutes(self.blocks, self._call)
+        self._probes: weakref.WeakSet[BlockProbe] = weakref.WeakSet()  # measuring, not done
+        self._marked: tuple[Any, ...] | None = None
+
+    @property
+    def _forwards(self) -> list[Callable[..., Any]]:
+        return self._routes.forwards
 
     @property
     def stages(self) -> tuple[nn.Module, ...]:
@@ -133,19 +124,64 @@ class CheckpointedChain:
 
     # -- installation -------------------------------------------------------------------
 
+    def attach(self) -> None:
+        """Route the blocks' calls through the chain (NOTE [routing a model's blocks]);
+        :func:`checkpoint_chain` does it.
+
+        Raises:
+            InvalidArgumentError: a block is routed by another chain, or this one was removed.
+        """
+        if self.removed:
+            raise InvalidArgumentError(f"{_SUB}: this chain was removed; make a new one")
+        self._routes.attach(self.path or "the chain")
+
     def remove(self) -> None:
         """Give every block its own ``forward`` back (idempotent); the model is as before."""
         if self.removed:
             return
-        while self._kept_out:
-            self._kept_out.pop().remove()
-        for block, previous in self._saved:
-            if previous is _MISSING:
-                block.__dict__.pop("forward", None)
-            else:
-                block.__dict__["forward"] = previous
+        self._routes.detach()
         self.removed = True
+        self.abort()
+
+    def mark(self) -> None:
+        """Remember what a run's end may change -- the measurements and the schedule solved
+        from them -- for :meth:`abort` to put back (``ts.fit`` marks each step's start)."""
+        self._marked = (
+            self.profile,
+            self.schedule,
+            self.solved_limit,
+            self.reserved_nbytes,
+            self.context_nbytes,
+            self.offloaded,
+            self._plan,
+            self._error,
+            self._retimed,
+            self._measured,
+            self._context,
+        )
+
+    def abort(self) -> None:
+        """Forget the runs in progress (an exception left them, or their backward will never
+        run): the next call of block 0 starts again; what their ends changed since
+        :meth:`mark` is put back (a measuring run measures again)."""
         self._run = None
+        for probe in list(self._probes):
+            probe.close()
+        self._probes.clear()
+        if self._marked is not None:
+            (
+                self.profile,
+                self.schedule,
+                self.solved_limit,
+                self.reserved_nbytes,
+                self.context_nbytes,
+                self.offloaded,
+                self._plan,
+                self._error,
+                self._retimed,
+                self._measured,
+                self._context,
+            ) = self._marked
 
     def __enter__(self) -> Self:
         return self
@@ -249,6 +285,7 @@ class CheckpointedChain:
         self._context = {}
         measured = (x.device, x.dtype, x.nbytes, tuple(x.shape))
         probe = BlockProbe(n, x.device)
+        self._probes.add(probe)
         return BlockRun(
             plan,
             probe,
@@ -271,6 +308,7 @@ class CheckpointedChain:
         if not isinstance(probe, BlockProbe):  # pragma: no cover - only measuring runs
             return
         probe.close()
+        self._probes.discard(probe)
         self._measured, self._retimed = measured, False
         self.profile = probe.profile(run.plan.names, run.input_nbytes)
         self.context_nbytes = sum(self._context.values())
@@ -404,25 +442,11 @@ class CheckpointedChain:
 
     def __repr__(self) -> str:
         limit = "none" if self.mem_limit is None else format_bytes(self.mem_limit)
-        state = "removed" if self.removed else "installed"
+        state = "removed" if self.removed else "installed" if self._routes.attached else "new"
         return (
             f"CheckpointedChain({self.path or '<list>'}: {len(self.blocks)} blocks, "
             f"mem_limit={limit}, {state})"
         )
-
-
-_MISSING = MISSING
-
-
-class _Dispatch:
-    """A block's ``forward`` while the chain is installed (NOTE [routing a model's blocks])."""
-
-    def __init__(self, owner: CheckpointedChain, k: int) -> None:
-        self.owner = owner
-        self.k = k
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        return self.owner._call(self.k, args, kwargs)
 
 
 def _params(block: nn.Module) -> list[torch.Tensor]:
@@ -496,11 +520,32 @@ def checkpoint_chain(
         ...     chained.schedule.peak + chained.reserved_nbytes <= 200 * 1024
         True
     """
-    path, found = find_chain(model, blocks)
+    path, found = find_blocks(model, blocks)
     if isinstance(slots, bool) or not isinstance(slots, int) or slots < 1:
         raise InvalidArgumentError(f"{_SUB}: slots must be a positive int; got {slots!r}")
     if isinstance(loss_tmp_nbytes, bool) or not isinstance(loss_tmp_nbytes, int):
         raise ArgumentTypeError(f"{_SUB}: loss_tmp_nbytes must be an int of bytes")
+    chain = CheckpointedChain(
+        path,
+        found,
+        mem_limit,
+        slots=slots,
+        preserve_rng_state=preserve_rng_state,
+        loss_tmp_nbytes=max(0, loss_tmp_nbytes),
+    )
+    chain.attach()
+    return chain
+
+
+def find_blocks(model: nn.Module, blocks: str | None = None) -> tuple[str, nn.ModuleList]:
+    """The chain :func:`checkpoint_chain` would route: ``(path, blocks)``, checked.
+
+    Raises:
+        ArgumentTypeError: ``model`` is not an ``nn.Module``.
+        InvalidArgumentError: no chain (or an ambiguous one), no block, a block routed by
+            another ``checkpoint_chain``, or the same block twice in the list.
+    """
+    path, found = find_chain(model, blocks)
     if len(found) == 0:
         raise InvalidArgumentError(f"{_SUB}: the chain {path or '(list)'} has no block")
     ids: dict[int, int] = {}
@@ -511,16 +556,9 @@ def checkpoint_chain(
                 f"{ids[id(block)]}; checkpoint_chain needs distinct blocks"
             )
         ids[id(block)] = k
-        if isinstance(block.__dict__.get("forward"), _Dispatch):
+        if routed(block):
             raise InvalidArgumentError(
                 f"{_SUB}: block {k} of {path or 'the chain'} is already routed by a "
                 f"checkpoint_chain; remove() that one first"
             )
-    return CheckpointedChain(
-        path,
-        found,
-        mem_limit,
-        slots=slots,
-        preserve_rng_state=preserve_rng_state,
-        loss_tmp_nbytes=max(0, loss_tmp_nbytes),
-    )
+    return path, found

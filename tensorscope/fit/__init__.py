@@ -23,7 +23,12 @@ __all__ = ["Fit", "fit"]
 
 
 def fit(
-    model: nn.Module, optimizer: Optimizer, budget: int | str, *, blocks: str | None = None
+    model: nn.Module,
+    optimizer: Optimizer,
+    budget: int | str,
+    *,
+    blocks: str | None = None,
+    atomic: bool = False,
 ) -> Fit:
     """Fit ``model``'s training step with ``optimizer`` into ``budget`` bytes; nothing runs yet.
 
@@ -45,6 +50,11 @@ def fit(
             the device -- parameters, gradients, optimizer state, activations, temporaries --
             as the memory plan counts it (storage bytes).
         blocks: dotted path of the block list to use instead of finding it.
+        atomic: keep every step atomic: an exception out of a step's forward, backward or
+            ``optimizer.step()`` then leaves parameters and optimizer state as they were
+            (gradients are kept until ``optimizer.step()``, which runs whole; ``explain()``
+            states the cost). Without it an aborted step may leave parameters already updated
+            inside backward, and a ``FitWarning`` names them (docs/fit.md, aborted steps).
 
     Returns:
         a :class:`~tensorscope.fit.handle.Fit`: ``explain()``, ``plan_before``,
@@ -52,6 +62,7 @@ def fit(
 
     Raises:
         ArgumentTypeError: not a module, not an optimizer, a budget of the wrong type.
+        ArgumentTypeError: (also) ``atomic`` not a bool.
         InvalidArgumentError: an unparsable budget, HF gradient checkpointing already on, or
             the model or the optimizer already fitted.
         ScheduleError: (from ``optimizer.step()`` of the first step, then at every training
@@ -71,9 +82,9 @@ def fit(
         True
         >>> fitted.remove()
     """
-    from tensorscope.fit.handle import make_fit
+    from tensorscope.fit.make import make_fit
 
-    return make_fit(model, optimizer, budget, blocks=blocks)
+    return make_fit(model, optimizer, budget, blocks=blocks, atomic=atomic)
 
 
 def __getattr__(name: str) -> Any:

@@ -81,6 +81,8 @@ class InBackward:
         # runs a parameter's update block by block where its state is written in row blocks
         # (statestore.py); returns False to leave the update whole
         self.in_rows: Callable[[torch.Tensor, Callable[[torch.Tensor], None]], bool] | None = None
+        self.after_update: Callable[[], None] | None = None  # after each one's step, narrowed
+        self.updated: list[torch.Tensor] = []  # since the last clear(): what abort names
         self._handles: list[Any] = []
         seen: set[int] = set()
         for group in optimizer.param_groups:
@@ -113,9 +115,12 @@ class InBackward:
         def step_one(q: torch.Tensor) -> None:
             with self._only(q, group):
                 type(self.optimizer).step(self.optimizer)
+                if self.after_update is not None:  # narrowed to q, its gradient still there
+                    self.after_update()
 
         if self.in_rows is None or not self.in_rows(p, step_one):
             step_one(p)
+        self.updated.append(p)
         p.grad = None
         self.updates += 1
 

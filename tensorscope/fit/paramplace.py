@@ -168,6 +168,11 @@ class ParamPlacer:
         self.resident -= mapped
         self._note()
 
+    def release(self) -> None:
+        """Drop every block mapped in (a step that stopped half-way left them in memory)."""
+        for k in list(self._mapped):
+            self.done(k)
+
     def restore(self) -> None:
         """Every parameter back in ordinary memory with its current value; the files go."""
         for params in self.blocks:

@@ -13,6 +13,7 @@ import torch
 
 from tensorscope._sites import mark_state_maker
 from tensorscope.errors import ResidencyError
+from tensorscope.ref import unown
 
 __all__ = ["Placeholder", "placeholder_of"]
 
@@ -83,6 +84,9 @@ def placeholder_of(
         ('meta', tensor([0., 1., 2., 3.]))
     """
     meta = torch.empty_strided(value.shape, value.stride(), dtype=value.dtype, device="meta")
+    # made inside a scope (a step there, the mode pushed back by a nested step's post-hook):
+    # state is never the scope's, or its close would switch the stand-in to a disposed one
+    unown((meta,))
     meta.__class__ = Placeholder
     placeholder: Placeholder = meta  # type: ignore[assignment]
     placeholder.__dict__["_ts_read"] = weakref.WeakMethod(read)

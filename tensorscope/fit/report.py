@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 from tensorscope._units import format_bytes
 
 if TYPE_CHECKING:
-    from tensorscope.fit.decide import Decision
+    from tensorscope.fit.decide import Candidate, Decision
     from tensorscope.plan.model import MemoryPlan
 
 __all__ = ["Facts", "explain"]
@@ -40,6 +40,9 @@ class Facts:
     offload_why_not: str = ""  # why no block is offloaded, when none is
     offload_read_ahead: int = 0  # the offloader's most bytes read back ahead of use
     measured_peak: int = 0  # the recorded step's peak, the read-ahead included
+    atomic: bool = False  # ts.fit(..., atomic=True)
+    stepwise: bool = False  # a kept-gradient step runs one parameter at a time
+    freed: Candidate | None = None  # atomic=True: what ts.fit would choose without it
 
 
 def _runs(choices: tuple[str, ...]) -> list[str]:
@@ -77,6 +80,41 @@ def _offload_line(f: Facts) -> str:
     )
 
 
+def _abort_line(f: Facts, chosen: Candidate) -> str:
+    """What an aborted step leaves (NOTE [an aborted step], fit/abort.py)."""
+    rule = (
+        "aborted steps: an exception out of a step's forward, backward or optimizer.step() "
+        "aborts it (ts.fit's own state as if it had not started)"
+    )
+    if f.atomic:
+        alt = f.freed
+        if alt is None:
+            cost = "no plan freeing gradients at their update fits the budget either"
+        else:
+            cost = (
+                f"without it: predicted peak {format_bytes(alt.predicted_peak)}, "
+                f"{alt.predicted_s:.3f} s, against {format_bytes(chosen.predicted_peak)}, "
+                f"{chosen.predicted_s:.3f} s with it"
+            )
+        return (
+            f"{rule}; atomic=True: gradients kept until optimizer.step(), which runs whole, so "
+            f"parameters and optimizer state stay as they were; its cost: {cost}"
+        )
+    if f.decision is not None and (f.decision.free_gradients or f.stepwise):
+        where = (
+            "inside backward" if f.decision.free_gradients else "by optimizer.step() one at a time"
+        )
+        return (
+            f"{rule}; parameters already updated {where} keep their new values (a FitWarning "
+            f"names them); ts.fit(..., atomic=True) keeps every step atomic, with gradients "
+            f"kept until optimizer.step() and the step run whole"
+        )
+    return (
+        f"{rule}; gradients are kept until optimizer.step(), which runs whole: parameters and "
+        f"optimizer state stay as they were"
+    )
+
+
 def explain(f: Facts) -> str:
     """The report (see ``Fit.explain``).
 
@@ -98,6 +136,7 @@ def explain(f: Facts) -> str:
             lines.append(
                 "  not measured yet: the first training step is recorded, then the plan is decided"
             )
+        lines += [f"  note: {note}" for note in f.notes]
         return "\n".join(lines)
     how = "every block recomputed while measuring, " if f.chain_path is not None else ""
     lines.append(
@@ -161,6 +200,7 @@ def explain(f: Facts) -> str:
             f"   {mark}candidate, gradients {grads}: {fits} (fits from "
             f"{format_bytes(c.least_budget)})"
         )
+    lines.append(f"    {_abort_line(f, chosen)}")
     lines.append(
         f"  predicted: peak {format_bytes(chosen.predicted_peak)}, step "
         f"{chosen.predicted_s:.3f} s (the chain's blocks timed in step 2; the rest of the step "

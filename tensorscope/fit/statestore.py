@@ -18,6 +18,7 @@ from tensorscope.fit.offload_rules import Bandwidth
 from tensorscope.fit.offload_store import Store, make_store, measure_store
 from tensorscope.fit.placeholders import placeholder_of
 from tensorscope.fit.rows import row_ranges
+from tensorscope.ref import unown
 
 __all__ = ["MIN_SPILL_BYTES", "StateStore", "per_parameter_state_bytes", "row_safe"]
 
@@ -238,6 +239,7 @@ class StateStore:
         self.stepping = False  # inside one parameter's step of a stepwise optimizer.step()
         self.stepwise_updates = 0
         self._set_aside: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self._updated: list[torch.Tensor] = []  # by the stepwise step in progress
         self._was_spilled = False  # at the last state_dict() call
         self._handles = [
             optimizer.register_step_pre_hook(self._before_step),
@@ -383,6 +385,7 @@ class StateStore:
                     continue
                 if value is record.placeholder:
                     values[key] = self._read(record)
+                    unown((values[key],))  # state, even when read back inside a scope
                 del self._spilled[(id(p), key)]  # replaced (load_state_dict): a stale record
                 self._release(record)
 
@@ -505,6 +508,7 @@ class StateStore:
     def _step_each(self) -> None:
         """NOTE [a kept-gradient step one parameter at a time]."""
         opt = self.optimizer
+        self._updated = []
         try:
             for group in list(opt.param_groups):
                 for p in list(group["params"]):
@@ -523,6 +527,7 @@ class StateStore:
                     finally:
                         self.stepping = False
                     self._set_aside.append((p, p.grad))
+                    self._updated.append(p)
                     p.grad = None
                     self.stepwise_updates += 1
         except BaseException:
@@ -532,6 +537,16 @@ class StateStore:
     def _after_own_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         if not self.stepping:
             self._restore_gradients()
+            self._updated = []
+
+    def abort(self) -> list[torch.Tensor]:
+        """The step stopped half-way (an exception out of its ``optimizer.step()``, NOTE [an
+        aborted step] in fit/abort.py): the gradients set aside are given back and the state
+        read back goes out again. Returns the parameters a stepwise step updated before."""
+        self._restore_gradients()
+        updated, self._updated = self._updated, []
+        self.after_step()
+        return updated
 
     def _restore_gradients(self) -> None:
         while self._set_aside:

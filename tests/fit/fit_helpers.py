@@ -13,7 +13,7 @@ from torch import nn
 
 import tensorscope as ts
 from tensorscope.checkpoint.offloaded import OffloadModel
-from tensorscope.fit import handle
+from tensorscope.fit.decider import Decider
 
 VOCAB = 97
 BATCH, SEQ = 4, 32
@@ -155,13 +155,13 @@ def big_vocabulary(name: str) -> nn.Module:
 def offload_for_free(monkeypatch: pytest.MonkeyPatch) -> None:
     """ts.fit's offload model with no I/O time: the decision offloads wherever it fits (what
     runs is tested, whatever this machine's bandwidth)."""
-    measured = handle.Fit._offload_model
+    measured = Decider.offload_model
 
-    def free(self: handle.Fit) -> OffloadModel | None:
+    def free(self: Decider) -> OffloadModel | None:
         model = measured(self)
         return None if model is None else OffloadModel(model.nbytes, (0.0,) * len(model.nbytes))
 
-    monkeypatch.setattr(handle.Fit, "_offload_model", free)
+    monkeypatch.setattr(Decider, "offload_model", free)
 
 
 def batches(name: str, seq: int = SEQ) -> Iterator[dict[str, torch.Tensor]]:

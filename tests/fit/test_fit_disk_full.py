@@ -24,8 +24,8 @@ import torch
 
 import tensorscope as ts
 from tensorscope.errors import FitWarning, ResidencyError, ScheduleError
-from tensorscope.fit import handle
 from tensorscope.fit.offload_rules import Bandwidth
+from tensorscope.fit.parts import offload as offload_part
 from tensorscope.fit.statestore import StateStore
 from tensorscope.residency.mapping import DiskRegion
 
@@ -127,7 +127,7 @@ def test_a_disk_that_fills_up_keeps_the_state_and_decides_again(
     decision = fit.decision
     assert decision is not None and not decision.chosen.base.state_offloaded
     assert _state_devices(opt) == {"cpu"}
-    assert fit._states is not None and fit._states.write_errors >= 1
+    assert fit._states.store is not None and fit._states.store.write_errors >= 1
     assert any("writing the optimizer state to the disk tier failed" in n for n in fit.notes)
     assert fit.plan_after is not None and fit.measured_peak(fit.plan_after) <= fit.budget_bytes
     opt_state = opt.state_dict()["state"]
@@ -185,7 +185,7 @@ def test_an_offloader_whose_files_cannot_be_made_leaves_offload_out(
     from .fit_helpers import offload_for_free
 
     offload_for_free(monkeypatch)
-    monkeypatch.setattr(handle, "ActivationOffloader", unwritable)
+    monkeypatch.setattr(offload_part, "ActivationOffloader", unwritable)
     budget, model, plain, opt, plain_opt, fit = _fitted_and_plain()
     try:
         data = _data()
@@ -195,7 +195,7 @@ def test_an_offloader_whose_files_cannot_be_made_leaves_offload_out(
             offload_step(plain, plain_opt, x, i)
             assert differing(model, plain) == [], f"step {i + 1}"
         assert fit.decision is not None and "offload" not in fit.decision.blocks
-        assert "the disk tier cannot be written" in fit._offload_off
+        assert "the disk tier cannot be written" in fit._offload.off
         assert fit.plan_after is not None and fit.measured_peak(fit.plan_after) <= budget
     finally:
         fit.remove()

@@ -176,7 +176,7 @@ def test_offloaded_blocks_train_bit_identically_within_the_budget(scoped: bool) 
             assert differing(model, plain) == [], f"step {i + 1}"
         decision = fit.decision
         assert decision is not None and "offload" in decision.blocks
-        offloader = fit._offloader
+        offloader = fit._offload.offloader
         assert offloader is not None
         stats = offloader.stats()
         chain = fit.chain
@@ -227,7 +227,7 @@ def test_tiny_blocks_are_not_considered_for_offload() -> None:
         for i in range(3):
             _step(model, opt, next(data)[:64], i)
         assert "offload: not considered (no block saves tensors of 256.0 KiB" in fit.explain()
-        assert fit._offloader is None
+        assert fit._offload.offloader is None
     finally:
         fit.remove()
 
@@ -240,8 +240,8 @@ def test_a_failed_write_keeps_the_activation_and_warns() -> None:
         x = next(data)
         _step(model, opt, x, 0)  # measured and decided: the offloader exists now
         _step(plain, plain_opt, x, 0)
-        assert fit._offloader is not None
-        store = fit._offloader._engine.store
+        assert fit._offload.offloader is not None
+        store = fit._offload.offloader._engine.store
 
         def full(*args: object) -> object:
             raise OSError(28, "No space left on device")
@@ -253,7 +253,7 @@ def test_a_failed_write_keeps_the_activation_and_warns() -> None:
                 _step(model, opt, x, i)
                 _step(plain, plain_opt, x, i)
         assert differing(model, plain) == []
-        assert fit._offloader.stats().write_errors > 0
+        assert fit._offload.offloader.stats().write_errors > 0
         for i in range(3, 6):  # decided again without offload: still within the budget
             x = next(data)
             _step(model, opt, x, i)

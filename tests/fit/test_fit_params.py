@@ -15,7 +15,9 @@ import torch
 
 import tensorscope as ts
 from tensorscope.errors import FitWarning, ResidencyError, ScheduleError
-from tensorscope.fit import handle, paramplace
+from tensorscope.fit import paramplace
+from tensorscope.fit.decider import Decider
+from tensorscope.fit.parts import place
 
 from .fit_helpers import differing, gpt2
 
@@ -47,7 +49,7 @@ def _least(monkeypatch: pytest.MonkeyPatch | None) -> int:
     fit = ts.fit(model, opt, budget=1 << 20)
     try:
         if monkeypatch is not None:
-            monkeypatch.setattr(handle.Fit, "_can_place", lambda self, free: False)
+            monkeypatch.setattr(Decider, "_can_place", lambda self, free: False)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", FitWarning)
             with pytest.raises(ScheduleError) as info:
@@ -78,7 +80,7 @@ def test_parameters_are_placed_only_when_nothing_fits_without(budgets: tuple[int
             _step(model, opt, ids, k)
         assert fit.decision is not None
         assert fit.decision.chosen.base.placed_bytes == 0
-        assert fit._placer is None
+        assert fit._place.placer is None
     finally:
         fit.remove()
 
@@ -101,7 +103,7 @@ def test_placed_parameters_train_like_plain_within_the_budget(budgets: tuple[int
         assert fit.decision is not None and fit.decision.free_gradients
         chosen = fit.decision.chosen
         assert chosen.base.placed_bytes > 0 and chosen.predicted_peak <= budget
-        placer = fit._placer
+        placer = fit._place.placer
         assert placer is not None and placer.placed and placer.resident == 0
         nbytes = sum(sum(p.untyped_storage().nbytes() for p in ps) for ps in placer.blocks)
         assert placer.placed_nbytes == nbytes > 0
@@ -118,7 +120,7 @@ def test_placed_parameters_train_like_plain_within_the_budget(budgets: tuple[int
         assert all(torch.equal(state[n], t) for n, t in ref.state_dict().items())
     finally:
         fit.remove()
-    assert fit._placer is not None and not fit._placer.placed
+    assert fit._place.placer is not None and not fit._place.placer.placed
     assert differing(model, ref) == []
     ids = _data(6)[5]
     assert _step(model, opt, ids, 9) == _step(ref, ref_opt, ids, 9)  # plain again, same bits
@@ -203,7 +205,7 @@ def test_a_failed_write_keeps_the_parameters(
         def store(self, address: int, nbytes: int) -> Any:
             raise ResidencyError("tensorscope.residency: no space left on device (a test)")
 
-    monkeypatch.setattr(handle, "measure_mapping", lambda: 1e9)  # measured before the disk fills
+    monkeypatch.setattr(place, "measure_mapping", lambda: 1e9)  # measured before the disk fills
     monkeypatch.setattr(paramplace, "DiskTier", Full)  # the placer's files only
     model = _gpt2()
     ref = copy.deepcopy(model)
@@ -216,7 +218,7 @@ def test_a_failed_write_keeps_the_parameters(
             _step(model, opt, ids, 0)
         _step(ref, ref_opt, ids, 0)
         assert differing(model, ref) == []  # the step itself ran; nothing lost
-        assert "writing parameters to the disk tier failed" in fit._place_off
+        assert "writing parameters to the disk tier failed" in fit._place.off
         assert fit.decision is None and "no plan: " in fit.explain()
     finally:
         fit.remove()

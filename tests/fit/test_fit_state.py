@@ -52,8 +52,8 @@ def test_state_offloaded_when_only_that_fits(name: str, kind: str, clip: float |
         # between steps every tensor of state is a placeholder; its bytes are in the store
         values = [v for s in opt.state.values() for v in s.values() if v.nbytes >= MIN_SPILL_BYTES]
         assert values and all(v.device.type == "meta" for v in values)
-        assert fit._states is not None
-        assert fit._states.spilled_bytes == sum(v.nbytes for v in values)
+        assert fit._states.store is not None
+        assert fit._states.store.spilled_bytes == sum(v.nbytes for v in values)
     d = fit.decision
     assert d is not None and d.chosen.base.state_offloaded
     assert d.free_gradients is (clip is None)

@@ -12,8 +12,8 @@ import torch
 from torch import nn
 
 import tensorscope as ts
-from tensorscope.fit import handle
 from tensorscope.fit.inbackward import InBackward
+from tensorscope.fit.parts import states
 from tensorscope.fit.statestore import StateStore, row_safe
 
 from .fit_helpers import batches, big_vocabulary, differing, optimizer, step, twin
@@ -80,7 +80,7 @@ SHORT = 4  # tokens per sequence: the logits are small, the embedding's update i
 
 def _least(name: str, block: int, monkeypatch: pytest.MonkeyPatch) -> int:
     """The least budget of the candidate with the state offloaded and gradients freed."""
-    monkeypatch.setattr(handle, "ROW_BLOCK_BYTES", block)
+    monkeypatch.setattr(states, "ROW_BLOCK_BYTES", block)
     model = big_vocabulary(name)
     opt = optimizer("adamw", model)
     fit = ts.fit(model, opt, budget="1GiB")
@@ -113,7 +113,7 @@ def test_fit_updates_a_big_embedding_in_row_blocks_when_only_that_fits(
         assert not differing(model, ref), i
     d = fit.decision
     assert d is not None and d.free_gradients and d.chosen.base.state_offloaded
-    assert fit._states is not None and fit._states.block_updates > 0
+    assert fit._states.store is not None and fit._states.store.block_updates > 0
     assert "64.0 KiB a block of rows at a time" in fit.explain()
     assert fit.plan_after is not None and fit.plan_after.peak_bytes <= budget
     sa, sb = opt.state_dict()["state"], ropt.state_dict()["state"]

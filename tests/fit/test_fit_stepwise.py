@@ -14,7 +14,7 @@ from torch import nn
 
 import tensorscope as ts
 from tensorscope import _step_hooks
-from tensorscope.fit import handle
+from tensorscope.fit.parts.states import OptimizerStates
 from tensorscope.fit.statestore import MIN_SPILL_BYTES, StateStore
 
 from .fit_helpers import batches, big_vocabulary, differing, optimizer, step, twin
@@ -123,7 +123,7 @@ def test_an_update_that_raises_gives_every_gradient_back() -> None:
 
 def _least_kept(monkeypatch: pytest.MonkeyPatch, stepwise: bool) -> int:
     """The least budget of the candidate with gradients kept and the state offloaded."""
-    monkeypatch.setattr(handle.Fit, "_stepwise_ok", lambda self: stepwise)
+    monkeypatch.setattr(OptimizerStates, "stepwise_ok", property(lambda self: stepwise))
     model = big_vocabulary("gpt2")  # short sequences: the optimizer step is the peak
     opt = optimizer("adamw", model)
     fit = ts.fit(model, opt, budget="1GiB")
@@ -155,7 +155,7 @@ def test_fit_with_clipping_steps_one_parameter_at_a_time_when_only_that_fits(
     d = fit.decision
     assert d is not None and not d.free_gradients and d.chosen.base.state_offloaded
     assert "clip_grad_norm_" in " ".join(fit.grads_kept_because)
-    assert fit._states is not None and fit._states.stepwise_updates > 0
+    assert fit._states.store is not None and fit._states.store.stepwise_updates > 0
     assert "optimizer.step() run one parameter at a time" in fit.explain()
     assert fit.plan_after is not None and fit.plan_after.peak_bytes <= budget
     assert fit.steps == 5  # the per-parameter steps are not counted as steps

@@ -106,5 +106,5 @@ def test_trainer_steps_one_parameter_at_a_time_when_only_that_fits(tmp_path: Any
     fit = callback.fit
     assert fit is not None and fit.decision is not None
     assert fit.decision.chosen.base.state_offloaded and not fit.decision.free_gradients
-    assert fit._states is not None and fit._states.stepwise_updates > 0
+    assert fit._states.store is not None and fit._states.store.stepwise_updates > 0
     assert fit.plan_after is not None and fit.plan_after.peak_bytes <= budget

@@ -1,0 +1,69 @@
+"""The in-backward updates part: each parameter updated, and its gradient freed, inside backward
+when a decision frees gradients (NOTE [the update inside backward], fit/inbackward.py).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import nn
+
+from tensorscope.fit.inbackward import InBackward
+from tensorscope.fit.parts import Decided, Part, Step
+from tensorscope.fit.parts.states import OptimizerStates
+
+__all__ = ["InBackwardUpdates"]
+
+
+class InBackwardUpdates(Part):
+    """Holds the hooks while a decision frees gradients (none in a measured step: it keeps
+    gradients, as step 1 did).
+
+    Attributes:
+        hooks: the hooks, while they are on.
+    """
+
+    def __init__(self, states: OptimizerStates) -> None:
+        self.hooks: InBackward | None = None
+        self._states = states
+        self._optimizer: torch.optim.Optimizer | None = None
+
+    def attach(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        self._optimizer = optimizer
+
+    def detach(self) -> None:
+        self._off()
+
+    def _off(self) -> None:
+        if self.hooks is not None:
+            self.hooks.remove()
+            self.hooks = None
+
+    def decide(self, decided: Decided) -> bool:
+        if not decided.decision.free_gradients:
+            self._off()
+            return True
+        if self.hooks is None and self._optimizer is not None:
+            self.hooks = InBackward(self._optimizer)
+        if self.hooks is not None:
+            store = self._states.store
+            self.hooks.in_rows = store.update_in_rows if self._states.in_rows and store else None
+            self.hooks.after_update = self._states.after_update
+        return True
+
+    def step_start(self, step: Step) -> None:
+        if step.measured:
+            self._off()
+        elif self.hooks is not None:
+            self.hooks.updated = []
+
+    def abort(self, step: Step) -> Sequence[torch.Tensor]:
+        if self.hooks is None:
+            return ()
+        updated, self.hooks.updated = self.hooks.updated, []
+        return updated
+
+    @property
+    def stepping(self) -> bool:
+        return self.hooks is not None and self.hooks.updating
