@@ -15,6 +15,8 @@ from tensorscope.checkpoint import Chain, min_memory, simulate, solve, store_all
 from tensorscope.checkpoint.solver import store_all_ops
 from tensorscope.errors import ArgumentTypeError, InvalidArgumentError, ScheduleError
 
+pytestmark = pytest.mark.engine_independent  # rotor runs plain torch ops (checked)
+
 TWO = Chain([1, 1], [1, 1], [4, 4, 4], [0, 8, 8], [0, 0], [0, 0])
 
 
