@@ -3,25 +3,32 @@
 Engines. tensorscope has two scope engines (the C++ one and the pure-Python one,
 ``TENSORSCOPE_ENGINE=python``) and CI runs the suite under both (``tox``, README's Contributing).
 By default a test is **engine-dependent** and runs under both. A test that never reaches the
-engines (a pure solver, a decision on numbers, the layer check, a script's ``--help``, the
-docs) may be marked ``@pytest.mark.engine_independent`` (or ``pytestmark = ...`` for a whole
-module): the Python-engine run deselects it (``-m "not engine_independent"``), so it runs once.
-The mark is checked: a marked test that opens a scope, manages a module or creates a TensorRef
-(in this process) fails and says to remove the mark. A test that starts a subprocess which uses
-tensorscope must not be marked (the check cannot see inside the subprocess). Doctests (the
-``tensorscope`` package's docstring examples) are marked here: they show the API once, and
-what they show is tested under both engines by the unit tests.
+engines (a pure solver, a decision on numbers, rotor, ``ts.fit`` outside scopes, the layer
+check, a script's ``--help``, the docs) may be marked ``@pytest.mark.engine_independent`` (or
+``pytestmark = ...`` for a whole module): the Python-engine run deselects it (``-m "not
+engine_independent or engine_dependent"``), so it runs once. In a module marked so, a test that
+does reach an engine takes ``@pytest.mark.engine_dependent``, which wins. The mark is checked:
+a test counted independent that opens a scope, manages a module or creates a TensorRef (in this
+process) fails and says what to do. The check cannot see inside a subprocess: a test whose
+subprocess uses scopes or ``ts.manage()`` must not be counted independent, unless the
+subprocess chooses its engine itself (``TENSORSCOPE_ENGINE``). Doctests (the ``tensorscope``
+package's docstring examples) are marked here: they show the API once, and what they show is
+tested under both engines by the unit tests.
 
-Parallel runs. CI runs the suite in two pytest-xdist workers (``-n 2 --dist loadgroup``): each
-test goes to whichever worker is free, except that the tests of one ``xdist_group`` run in one
-worker, one after the other. Tests that start gloo process groups (a free port is picked, then
-bound: two at once could race for it) take ``@pytest.mark.xdist_group("distributed")``. The
-tests of a module that share a module- or class-scoped fixture are grouped here, so that the
-fixture is made once, not once per worker.
+Parallel runs. CI runs the suite in two pytest-xdist workers, file by file (``-n 2 --dist
+loadfile``: the tests of one module run in one worker, so a module-scoped fixture is made once).
+Tests that must never run at the same time as each other, in any worker, share a
+``@pytest.mark.serial(name)``: a file lock held for the test. Tests that start gloo process
+groups take ``serial("distributed")`` (a free port is picked, then bound: two at once could
+race for it). (``xdist_group`` with ``--dist loadgroup`` would say the same, but pytest 9.2
+changed node ids under it and pytest-xdist 3.8 no longer groups: pytest-xdist issue 1386.)
 
-``slow``: a test that takes more than ~5 s of CPU on a 2-core machine, even after making it as
-small as what it checks allows. ``-m "not slow"`` gives a quick run while developing; CI runs
-everything. ``--durations=25`` (CI) shows the slowest tests: the next one to make cheaper.
+``slow``: a test whose call takes more than ``SLOW_CPU_SECONDS`` of CPU (its process and the
+subprocesses it waited for), even after making it as small as what it checks allows. ``-m "not
+slow"`` gives a quick run while developing; CI runs everything. CPU time, unlike wall time, does
+not grow when other work shares the machine: the summary lists the tests over that mark that
+are not marked ``slow`` (the next ones to make cheaper, or to mark), and ``--durations=25`` (CI)
+shows the slowest by wall time.
 
 What every test gets (autouse fixtures, here): torch with one intra-op thread (tiny tensors on
 a shared 2-core machine: two OpenMP threads spin-wait on each other, a 14-layer MLP's backward
@@ -38,10 +45,14 @@ many tests.
 from __future__ import annotations
 
 import faulthandler
+import fcntl
 import gc
+import os
+import resource
 import sys
+import tempfile
 import warnings
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 
 import pytest
 import torch
@@ -52,12 +63,13 @@ from tensorscope._engine import engine_name
 from tensorscope._torch import scope_key_included
 
 HANG_SECONDS = 240
+SLOW_CPU_SECONDS = 5.0
 ENGINE_INDEPENDENT = "engine_independent"
+ENGINE_DEPENDENT = "engine_dependent"  # wins over a module's engine_independent
 
 torch.set_num_threads(1)
 
 
-@pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the groups
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     skip_gpu = None if torch.cuda.is_available() else pytest.mark.skip(reason="needs a CUDA device")
     for item in items:
@@ -65,16 +77,6 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(ENGINE_INDEPENDENT)
         if skip_gpu is not None and "gpu" in item.keywords:
             item.add_marker(skip_gpu)
-        if _shares_a_module_fixture(item) and item.get_closest_marker("xdist_group") is None:
-            item.add_marker(pytest.mark.xdist_group(item.nodeid.split("::")[0]))
-
-
-def _shares_a_module_fixture(item: pytest.Item) -> bool:
-    """Whether the test uses a module- or class-scoped fixture (made once for its tests)."""
-    info = getattr(item, "_fixtureinfo", None)
-    if info is None:
-        return False
-    return any(defs[-1].scope in ("module", "class") for defs in info.name2fixturedefs.values())
 
 
 # ----------------------------------------------------------------------------- isolation
@@ -127,7 +129,28 @@ def _isolation() -> Iterator[None]:
     assert not scope_key_included(), "test left the scope engines' key included"
 
 
+@pytest.fixture(autouse=True)
+def _serial(request: pytest.FixtureRequest) -> Iterator[None]:
+    """Tests of one ``serial`` name run one at a time across the workers of a run."""
+    mark = request.node.get_closest_marker("serial")
+    if mark is None:
+        yield
+        return
+    run = os.environ.get("PYTEST_XDIST_TESTRUNUID", str(os.getpid()))
+    path = os.path.join(tempfile.gettempdir(), f"tensorscope-tests-{run}-{mark.args[0]}.lock")
+    with open(path, "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+
+
 # ------------------------------------------------------------------- engine-independent tests
+def _independent(keywords: Mapping[str, object]) -> bool:
+    return ENGINE_INDEPENDENT in keywords and ENGINE_DEPENDENT not in keywords
+
+
 @pytest.fixture(autouse=True)
 def _engine_independent_check(
     request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch
@@ -137,7 +160,7 @@ def _engine_independent_check(
     Scopes and ``ts.manage()`` reach the engines through ``_intercept.acquire``; refs created
     outside a scope show in this thread's counters.
     """
-    if request.node.get_closest_marker(ENGINE_INDEPENDENT) is None:
+    if not _independent(request.node.keywords):
         yield
         return
     acquired: list[object] = []
@@ -157,23 +180,47 @@ def _engine_independent_check(
     assert not acquired and refs == 0, (
         f"{request.node.nodeid} is marked {ENGINE_INDEPENDENT} (it runs under one engine only) "
         f"but it used a scope engine ({len(acquired)} scope/manage acquisitions, {refs} refs "
-        "created): remove the mark, so that it runs under both engines"
+        f"created): remove the mark, or mark this test {ENGINE_DEPENDENT}, so that it runs "
+        "under both engines"
     )
 
 
 # ------------------------------------------------------------------------------- the report
+def _cpu_seconds() -> float:
+    """CPU time of this process and of the subprocesses it has waited for."""
+    own, children = (
+        resource.getrusage(resource.RUSAGE_SELF),
+        resource.getrusage(resource.RUSAGE_CHILDREN),
+    )
+    return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_call(item: pytest.Item) -> Iterator[None]:
+    start = _cpu_seconds()
+    yield
+    item.user_properties.append(("cpu_seconds", round(_cpu_seconds() - start, 3)))
+
+
 class _Executed:
-    """Tests that ran (passed or failed in their call phase; skips do not count)."""
+    """Tests that ran (passed or failed in their call phase; skips do not count), and the ones
+    over ``SLOW_CPU_SECONDS`` that are not marked slow."""
 
     def __init__(self) -> None:
         self.count = 0
         self.independent = 0
+        self.unmarked_slow: list[tuple[float, str]] = []
 
     @pytest.hookimpl
     def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
         if report.when == "call" or (report.when == "setup" and report.failed):
             self.count += 1
-            self.independent += ENGINE_INDEPENDENT in report.keywords
+            self.independent += _independent(report.keywords)
+        cpu = dict(report.user_properties).get("cpu_seconds")
+        if not isinstance(cpu, float) or report.when != "call" or "slow" in report.keywords:
+            return
+        if cpu > SLOW_CPU_SECONDS:
+            self.unmarked_slow.append((cpu, report.nodeid))
 
 
 _EXECUTED = _Executed()
@@ -187,13 +234,22 @@ def pytest_configure(config: pytest.Config) -> None:
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     if hasattr(session.config, "workerinput") or exitstatus != pytest.ExitCode.OK:
         return
+    if session.config.option.collectonly:
+        return
     if _EXECUTED.count == 0:  # everything skipped or deselected: nothing was checked
         session.exitstatus = pytest.ExitCode.NO_TESTS_COLLECTED
 
 
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
-    if hasattr(terminalreporter.config, "workerinput"):
+    if (
+        hasattr(terminalreporter.config, "workerinput")
+        or terminalreporter.config.option.collectonly
+    ):
         return
+    if _EXECUTED.unmarked_slow:
+        terminalreporter.section(f"over {SLOW_CPU_SECONDS:g} s of CPU, not marked slow")
+        for cpu, nodeid in sorted(_EXECUTED.unmarked_slow, reverse=True):
+            terminalreporter.write_line(f"{cpu:7.1f} s CPU  {nodeid}")
     terminalreporter.write_line(
         f"tensorscope: {_EXECUTED.count} tests executed under the {engine_name()} engine "
         f"({_EXECUTED.independent} of them engine-independent)"

@@ -17,6 +17,8 @@ from tensorscope.fit.statestore import MIN_SPILL_BYTES, StateStore
 
 from .fit_helpers import batches, differing, optimizer, step, tiny, twin
 
+pytestmark = pytest.mark.engine_independent  # ts.fit outside scopes (checked)
+
 
 def _tight_budget(name: str, kind: str, clip: float | None) -> int:
     """A budget between the smallest plan with the optimizer state offloaded and the smallest
@@ -142,6 +144,7 @@ def test_a_failed_write_leaves_the_state_in_memory_and_warns() -> None:
     assert torch.equal(opt.state[lin.weight]["exp_avg"], before["exp_avg"])
 
 
+@pytest.mark.engine_dependent  # scopes or ts.manage
 def test_a_managed_model_keeps_its_optimizer_state_with_the_residency_manager() -> None:
     # ts.manage places optimizer state made for managed parameters itself: ts.fit must not
     # also move it (its bytes may be on the manager's disk tier, not at data_ptr())
