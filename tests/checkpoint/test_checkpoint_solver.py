@@ -68,6 +68,7 @@ def test_store_all_limit_gives_plain_time() -> None:
         assert solve(chain, top - 1).time >= s.time if top - 1 >= min_memory(chain) else True
 
 
+@pytest.mark.slow  # brute force over every schedule of 80 chains
 @settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(chains())
 def test_dp_equals_brute_force_over_persistent_schedules(chain: Chain) -> None:
