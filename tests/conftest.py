@@ -34,8 +34,8 @@ What every test gets (autouse fixtures, here): torch with one intra-op thread (t
 a shared 2-core machine: two OpenMP threads spin-wait on each other, a 14-layer MLP's backward
 took 0.5 s instead of 0.5 ms under load; plain and tensorscope runs use the same setting, so
 bit-for-bit comparisons hold); no scope open before, and a failure if one is left open after;
-a reset residency manager (CPU, Flow, no budget) before and after; no dispatch mode left pushed;
-a watchdog that dumps every thread's stack and ends the run if a test hangs (a deadlocked
+a reset residency manager (CPU, Flow, no budget) before and after; a garbage collection after,
+on a frozen heap (NOTE [a frozen heap] below); no dispatch mode left pushed; a watchdog that dumps every thread's stack and ends the run if a test hangs (a deadlocked
 DataLoader worker or prefetch thread would otherwise hang the whole suite silently).
 
 A run that executes no test fails (exit code 5), and the summary says which engine ran how
