@@ -296,9 +296,10 @@ def write_checkpoint(directory: Path, plan: Plan, seed: int, progress: bool = Tr
         unit_scale=True,
         unit_divisor=1024,
         desc="writing the checkpoint",
-        disable=not progress,
+        disable=not (progress and sys.stderr.isatty()),  # a log gets one line, below
         file=sys.stderr,
     )
+    start = time.perf_counter()
     with bar:
         for i, shard in enumerate(plan.shards):
             name = plan.shard_name(i)
@@ -326,6 +327,13 @@ def write_checkpoint(directory: Path, plan: Plan, seed: int, progress: bool = Tr
         files[name] = (directory / name).stat().st_size
     marker = {"spec": plan.spec(seed), "files": files}
     (directory / MARKER).write_text(json.dumps(marker, indent=1) + "\n")
+    if progress and not sys.stderr.isatty():
+        print(
+            f"wrote the checkpoint: {len(plan.shards)} shards, {plan.total_bytes / 2**30:.2f} GiB, "
+            f"{time.perf_counter() - start:.1f} s",
+            file=sys.stderr,
+            flush=True,
+        )
 
 
 def self_check_layout(seed: int) -> str:

@@ -10,7 +10,7 @@ same two engines (docs/design.md §14): with the C++ one, a second fallback (csr
 the Fake key) runs ops whose managed operands are resident natively and hands the others to the
 Python dispatch mode (``_intercept.Interceptor``), which the Python engine runs around every op.
 
-Layer 1: imports only torch.
+Layer 2: imports only torch (and the C++ extension of layer 0).
 """
 
 from __future__ import annotations

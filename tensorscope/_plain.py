@@ -4,7 +4,7 @@ A ref behaves in these exactly as a plain tensor with the same data (torch would
 subclass as ``TensorRef(...)`` and format only plain 0-d tensors as numbers), and ``torch.save``
 of a ref stores plain data. Every protocol first checks that the ref was not disposed.
 
-Layer 3: imports only layers 0-2.
+Layer 6: imports only layers 0-5.
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ The scope core (refs, disposal, the interceptor) sits below the residency packag
 import it. The manager installs itself here when ``tensorscope.residency`` is imported; the core
 calls it through this typed protocol only (DESIGN.md: imports point down).
 
-Layer 2: imports only layers 0-1.
+Layer 4: imports only layers 0-3.
 """
 
 from __future__ import annotations

@@ -14,7 +14,7 @@
 # it: ``adopt`` takes a state, ``release`` lets one go, ``resolve`` finds the nearest open owner
 # outward (a closed scope keeps its link to its outer one). No other module touches ``_owned``.
 
-Layer 2: imports only layers 0-1.
+Layer 4: imports only layers 0-3.
 """
 
 from __future__ import annotations

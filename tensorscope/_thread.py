@@ -52,7 +52,7 @@
 # kernel reads it would crash or corrupt (a dispatch mode runs before an op's kernel, never in
 # the middle of one). A thread that has ended releases nothing more, so the closer does it.
 
-Layer 2: imports only layers 0-2.
+Layer 5: imports only layers 0-4.
 """
 
 from __future__ import annotations

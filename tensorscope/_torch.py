@@ -1,7 +1,7 @@
 """Typed doors to the few torch internals tensorscope relies on (checked on torch 2.13 and 2.11).
 
 Keeping them here gives one place to adapt when torch changes, and keeps ``mypy --strict``
-honest everywhere else. Layer 1: imports torch and the engine only.
+honest everywhere else. Layer 3: imports torch and the engine (layer 2) only.
 """
 
 from __future__ import annotations

@@ -28,7 +28,7 @@
 # (``_empty_in_place``).
 # Step 3 runs on the thread that owns the scope (see _thread.py's NOTE on cross-thread close).
 
-Layer 3: imports only layers 0-2.
+Layer 7: imports only layers 0-6.
 """
 
 from __future__ import annotations

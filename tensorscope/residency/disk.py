@@ -27,6 +27,13 @@
 # stay in the page cache and the file); promoting maps them again (``MADV_POPULATE_READ`` or
 # ``_WRITE``: no copy, no allocation). With a CUDA device regions are copy targets (reserved with
 # ``posix_fallocate`` first, so a full disk fails the reservation, never the copy).
+#
+# NOTE [arena watchers]
+# The C++ op path checks the canary of an arena before each fast op (residency/native.py), so it
+# must know where each canary is now. A tier never calls up into the op path: whoever mirrors
+# arenas subscribes here (``watch_arenas``; native.py does when it is imported, with the C++
+# engine) and is told when an arena's canary moves (it grew, or was found cut) and when its file
+# is closed.
 """
 
 from __future__ import annotations
@@ -38,20 +45,29 @@ import os
 import tempfile
 import weakref
 from bisect import bisect_left
+from collections.abc import Callable
 
 from tensorscope._units import format_bytes
 from tensorscope.errors import ResidencyError
-from tensorscope.residency import native
 from tensorscope.residency.checkpoint_files import CheckpointFile
 from tensorscope.residency.mapping import PAGE, DiskRegion, MappedFile
 from tensorscope.residency.tempdirs import PrivateDir
 
-__all__ = ["Arena", "DiskTier"]
+__all__ = ["Arena", "DiskTier", "watch_arenas"]
 
 LARGE = 2 << 20  # regions this large start at 2 MiB offsets (large folios, 2 MiB mappings)
 ARENA_SPAN = 8 << 30  # virtual bytes mapped per arena (the file grows inside it)
 _POOL_MIN_BYTES = 64 << 20  # pooled regions may always hold this much (see DiskTier.release)
 _CANARY_BYTES = 16
+
+
+# (moved, closed) pairs: called with an arena whose canary moved, with the fd of a closed one.
+_WATCHERS: list[tuple[Callable[[Arena], None], Callable[[int], None]]] = []
+
+
+def watch_arenas(moved: Callable[[Arena], None], closed: Callable[[int], None]) -> None:
+    """Be told of every arena's canary move and close (see the NOTE on arena watchers)."""
+    _WATCHERS.append((moved, closed))
 
 
 def _round_up(value: int, granule: int) -> int:
@@ -106,7 +122,8 @@ class Arena(MappedFile):
         fd = self.fd
         super().close()
         if self.fd < 0 <= fd:
-            native.forget_arena(fd)
+            for _, closed in _WATCHERS:
+                closed(fd)
 
     def ensure_file_covers(self, end: int) -> None:
         """Grow the file so that ``[0, end)`` lies inside it; raises ``OSError`` if it cannot."""
@@ -124,7 +141,7 @@ class Arena(MappedFile):
             os.ftruncate(self.fd, self.high + PAGE)
             raise OSError(errno.EFBIG, os.strerror(errno.EFBIG))
         self.high = end
-        native.arena(self)  # the C++ op path checks the canary where it is now
+        self._canary_moved()  # the C++ op path checks the canary where it is now
 
     # ---------------------------------------------------------------------------- checks/io
     def refresh(self) -> bool:
@@ -142,8 +159,12 @@ class Arena(MappedFile):
         # Shorter than the data area: cut there. Longer (re-extended, which reads as zeros):
         # where it was cut is unknown, so every region is lost.
         self.cut = size if size < self.high + _CANARY_BYTES else 0
-        native.arena(self)
+        self._canary_moved()
         return True
+
+    def _canary_moved(self) -> None:
+        for moved, _ in _WATCHERS:
+            moved(self)
 
     def lost_reason(self, offset: int, nbytes: int) -> str | None:
         if self.cut is None or offset + nbytes <= self.cut:

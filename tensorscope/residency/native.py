@@ -18,7 +18,8 @@ uses, the recorder's trace, the module order), at the next point where Python de
 # op uses it, and takes it off the fast path otherwise. Being conservative is always safe: an op
 # the fast path refuses runs the Python op path, which is the reference behaviour.
 
-Layer 3 (residency): imports the engine and placements only.
+Layer 13 (residency; inside it, above disk.py, whose arena moves it follows, and below
+placement.py): imports the engine and the disk tier only.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from typing import Any
 import torch
 
 from tensorscope._engine import FAST
+from tensorscope.residency import disk
 
 __all__ = ["ENGINE", "arena", "claim", "counters", "drop", "publish", "quiet", "set_policy"]
 
@@ -140,3 +142,7 @@ def counters() -> tuple[int, int]:
 def in_flight() -> int:
     """Fast ops running now, on all threads."""
     return 0 if ENGINE is None else int(ENGINE.res_counter("inflight", 0))
+
+
+if ENGINE is not None:  # the fast path checks arenas' canaries: follow them as they move
+    disk.watch_arenas(arena, forget_arena)

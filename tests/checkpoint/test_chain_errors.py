@@ -12,6 +12,8 @@ from torch import nn
 from tensorscope.checkpoint import Checkpointable, checkpoint_chain, min_memory
 from tensorscope.errors import ArgumentTypeError, InvalidArgumentError, ScheduleError
 
+pytestmark = pytest.mark.engine_independent  # rotor runs plain torch ops (checked)
+
 
 @pytest.mark.parametrize("name", ["gpt2", "llama"])
 def test_a_kv_cache_in_training_is_dropped_as_hf_checkpointing_does(name: str) -> None:

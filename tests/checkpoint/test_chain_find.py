@@ -9,6 +9,8 @@ from torch import nn
 from tensorscope.checkpoint import find_chain, pick_chain
 from tensorscope.errors import ArgumentTypeError, InvalidArgumentError
 
+pytestmark = pytest.mark.engine_independent  # rotor runs plain torch ops (checked)
+
 
 def test_longest_list_of_one_class_wins() -> None:
     lists = [

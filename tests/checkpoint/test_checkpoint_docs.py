@@ -7,6 +7,8 @@ import importlib
 
 import pytest
 
+pytestmark = pytest.mark.engine_independent  # docstrings and docs (checked)
+
 MODULES = [
     "tensorscope.checkpoint",
     "tensorscope.checkpoint.chain",

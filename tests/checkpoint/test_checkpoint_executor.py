@@ -18,6 +18,8 @@ from tensorscope.checkpoint.profile import measure
 from tensorscope.checkpoint.simulate import Simulator
 from tensorscope.checkpoint.tracker import StorageTracker
 
+pytestmark = pytest.mark.engine_independent  # rotor runs plain torch ops (checked)
+
 WIDTH = 32
 
 

@@ -14,6 +14,8 @@ from tensorscope.checkpoint.module import LOSS_SCALAR_NBYTES, RNG_STATE_NBYTES
 from tensorscope.checkpoint.tracker import StorageTracker
 from tensorscope.errors import ArgumentTypeError, InvalidArgumentError, ScheduleError
 
+pytestmark = pytest.mark.engine_independent  # rotor runs plain torch ops (checked)
+
 WIDTH = 48
 
 

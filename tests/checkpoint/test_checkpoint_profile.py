@@ -10,6 +10,8 @@ from tensorscope.checkpoint.profile import InPlaceLayerError, flatten, measure
 from tensorscope.checkpoint.tracker import StorageTracker
 from tensorscope.errors import ArgumentTypeError
 
+pytestmark = pytest.mark.engine_independent  # rotor runs plain torch ops (checked)
+
 KIB = 1024
 
 

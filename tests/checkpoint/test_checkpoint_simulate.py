@@ -9,6 +9,8 @@ from tensorscope.checkpoint.chain import Op, format_ops
 from tensorscope.checkpoint.simulate import Simulator
 from tensorscope.errors import InvalidArgumentError
 
+pytestmark = pytest.mark.engine_independent  # rotor runs plain torch ops (checked)
+
 # x: input 4, outputs 2 and 3; xbar: 5 and 7; transients make each op's peak distinct
 CHAIN = Chain([1, 10], [100, 1000], [4, 2, 3], [0, 5, 7], [1, 2], [3, 4], loss_tmp=6)
 

@@ -15,6 +15,8 @@ from tensorscope.checkpoint import Chain, min_memory, simulate, solve, store_all
 from tensorscope.checkpoint.solver import store_all_ops
 from tensorscope.errors import ArgumentTypeError, InvalidArgumentError, ScheduleError
 
+pytestmark = pytest.mark.engine_independent  # rotor runs plain torch ops (checked)
+
 TWO = Chain([1, 1], [1, 1], [4, 4, 4], [0, 8, 8], [0, 0], [0, 0])
 
 
@@ -66,6 +68,7 @@ def test_store_all_limit_gives_plain_time() -> None:
         assert solve(chain, top - 1).time >= s.time if top - 1 >= min_memory(chain) else True
 
 
+@pytest.mark.slow  # brute force over every schedule of 80 chains
 @settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(chains())
 def test_dp_equals_brute_force_over_persistent_schedules(chain: Chain) -> None:

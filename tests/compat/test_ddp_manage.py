@@ -34,6 +34,7 @@ pytestmark = [
         not torch.distributed.is_available() or sys.platform != "linux", reason="needs gloo"
     ),
     pytest.mark.slow,
+    pytest.mark.serial("distributed"),  # a free port, then bound (tests/conftest.py)
 ]
 
 BUDGET = 40 * 1024  # parameters 35 KiB, with gradients 70 KiB: the budget binds

@@ -73,6 +73,7 @@ def _worker(rank: int, port: int, results: Any) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.serial("distributed")  # a free port, then bound (tests/conftest.py)
 def test_ddp_and_fsdp2_train_the_same_in_scopes() -> None:
     outcomes = run_two_ranks(_worker)
     for rank, outcome in outcomes.items():

@@ -80,6 +80,7 @@ def _worker(rank: int, port: int, results: Any) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.serial("distributed")  # a free port, then bound (tests/conftest.py)
 def test_fit_under_ddp_trains_like_plain_ddp() -> None:
     got = run_two_ranks(_worker, timeout=300)
     for rank in range(2):

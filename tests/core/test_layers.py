@@ -2,16 +2,24 @@
 
 Every ``tensorscope`` import a module makes at run time (at module level or inside a function;
 ``if TYPE_CHECKING:`` blocks excluded) must name a module of a lower layer, or of its own
-package below it; and no import cycle may exist between modules. CONTRIBUTING (README) points
-here: to add a module, give it a layer in ``LAYERS``.
+package below it; and no import cycle may exist between modules. A package with an order of its
+own (``INSIDE``) is checked the same way between its modules. A module docstring that names its
+layer ("Layer 7: imports only layers 0-6") must name the one written here. CONTRIBUTING
+(README) points here: to add a module, give it a layer in ``LAYERS`` (and in ``INSIDE`` for a
+package listed there).
 """
 
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
+import pytest
+
 import tensorscope
+
+pytestmark = pytest.mark.engine_independent  # reads source files
 
 PACKAGE = Path(tensorscope.__file__).parent
 
@@ -46,6 +54,29 @@ LAYERS: list[tuple[str, ...]] = [
     ("cli", "__init__"),  # the command line and the public face
 ]
 RANK = {unit: rank for rank, units in enumerate(LAYERS) for unit in units}
+
+# The order inside a package, lowest first ("__init__": the package's face, on top).
+INSIDE: dict[str, list[tuple[str, ...]]] = {
+    "residency": [
+        # settings, estimates, mapped files, tier names, the disk's pace, the module watchers
+        ("config", "estimate", "integrity", "mapping", "pace", "report", "split", "tempdirs"),
+        ("tiers", "watch", "checkpoint_files", "signals"),
+        # the disk tier: a tier never calls up into the op path (disk.py's NOTE [arena
+        # watchers]: native.py subscribes to arena moves)
+        ("disk",),
+        ("native",),  # the C++ op path's mirror of the ledger
+        ("placement",),
+        ("ledger", "movers", "prefetch"),  # where bytes are counted; byte moves; prefetch threads
+        ("cadence", "modules", "room"),  # when the policy decides; ts.manage's modules; room
+        ("oppath",),  # what runs around every op on managed tensors
+        ("managed", "manager"),  # managed parameters' classes; the manager
+        ("__init__",),
+    ],
+}
+INSIDE_RANK = {
+    package: {module: rank for rank, modules in enumerate(order) for module in modules}
+    for package, order in INSIDE.items()
+}
 
 
 def _module_name(path: Path) -> str:
@@ -99,10 +130,67 @@ def _graph() -> dict[str, set[str]]:
     return graph
 
 
+def _inside(module: str) -> tuple[str, str] | None:
+    """(package, module inside it) for a module of a package with an order of its own."""
+    package, _, inner = module.partition(".")
+    if package not in INSIDE:
+        return None
+    return package, inner.split(".")[0] or "__init__"
+
+
 def test_every_module_has_a_layer() -> None:
-    units = {_unit(name) for name in _graph()}
+    graph = _graph()
+    units = {_unit(name) for name in graph}
     missing = sorted(unit for unit in units if unit not in RANK and unit)
     assert not missing, f"give these a layer in LAYERS: {missing}"
+    inside = {found for name in graph if (found := _inside(name))}
+    missing_inside = sorted(f"{p}.{m}" for p, m in inside if m not in INSIDE_RANK[p])
+    assert not missing_inside, f"give these a layer in INSIDE: {missing_inside}"
+
+
+def test_imports_inside_a_package_point_down() -> None:
+    wrong = []
+    for module, targets in _graph().items():
+        here = _inside(module)
+        for target in targets:
+            there = _inside(target)
+            if here is None or there is None or here[0] != there[0] or here == there:
+                continue
+            order = INSIDE_RANK[here[0]]
+            if order[there[1]] >= order[here[1]]:
+                wrong.append(f"{module} -> {target}")
+    assert not wrong, "imports inside a package that do not point down:\n" + "\n".join(
+        sorted(wrong)
+    )
+
+
+DOCSTRING_LAYER = re.compile(r"\bLayer (\d+)\b(?:[^.\n]*?\blayers 0-(\d+)\b)?")
+
+
+def test_docstrings_name_the_layer_written_here() -> None:
+    wrong = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        docstring = ast.get_docstring(ast.parse(path.read_text())) or ""
+        name = _module_name(path).removesuffix(".__init__")
+        rank = RANK[_unit(name) if name != "__init__" else "__init__"]
+        for found in DOCSTRING_LAYER.finditer(docstring):
+            said, below = int(found.group(1)), found.group(2)
+            if said != rank or (below is not None and int(below) != rank - 1):
+                wrong.append(f"{name}: says {found.group(0)!r}, LAYERS gives layer {rank}")
+    assert not wrong, "module docstrings that disagree with LAYERS:\n" + "\n".join(wrong)
+
+
+def test_the_docstring_check_reads_what_modules_write() -> None:
+    found = DOCSTRING_LAYER.search("Layer 9: imports only layers 0-8.")
+    assert found is not None and found.groups() == ("9", "8")
+    found = DOCSTRING_LAYER.search("Layer 13 (residency): imports only torch.")
+    assert found is not None and found.groups() == ("13", None)
+    stated = [
+        path
+        for path in PACKAGE.rglob("*.py")
+        if DOCSTRING_LAYER.search(ast.get_docstring(ast.parse(path.read_text())) or "")
+    ]
+    assert len(stated) >= 10  # the check has modules to check
 
 
 def test_imports_point_down() -> None:

@@ -13,6 +13,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.engine_independent  # pure modules, imported without torch
+
 PACKAGE_ROOT = Path(__file__).resolve().parents[2] / "tensorscope"
 PURE = [
     "tensorscope.errors",

@@ -5,9 +5,12 @@ from __future__ import annotations
 
 from typing import Any
 
+import pytest
 import torch
 
 from tensorscope import _step_hooks
+
+pytestmark = pytest.mark.engine_independent  # torch.optim hooks (checked)
 
 
 def _sgd() -> torch.optim.Optimizer:

@@ -13,6 +13,8 @@ from tensorscope.errors import ScheduleError
 from tensorscope.fit.account import StepBase
 from tensorscope.fit.decide import decide
 
+pytestmark = pytest.mark.engine_independent  # ts.fit outside scopes (checked)
+
 CHAIN = Chain([1.0] * 6, [2.0] * 6, [10] * 7, [0] + [50] * 6, [5] * 6, [8] * 6)
 KEPT = StepBase(False, 500, 700, 800, 300, 150, 100, 1.0)
 FREED = StepBase(True, 380, 580, 420, 300, 30, 100, 1.0)

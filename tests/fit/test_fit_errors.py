@@ -13,6 +13,8 @@ import tensorscope as ts
 
 from .fit_helpers import batches, differing, optimizer, plain_peak, step, tiny, twin
 
+pytestmark = pytest.mark.engine_independent  # ts.fit outside scopes (checked)
+
 
 def test_nothing_runs_at_the_call_and_remove_gives_everything_back() -> None:
     model = tiny("gpt2")
@@ -236,6 +238,7 @@ def test_a_grad_scaler_keeps_gradients_and_says_why() -> None:
     fit.remove()
 
 
+@pytest.mark.engine_dependent  # its subprocess imports tensorscope under the engine of the run
 def test_import_tensorscope_stays_light() -> None:
     import subprocess
     import sys

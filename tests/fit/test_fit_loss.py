@@ -18,6 +18,8 @@ from tensorscope.fit.loss import LossMode, in_place_cross_entropy
 
 from .fit_helpers import BIG_VOCAB, big_vocabulary, differing, step, twin
 
+pytestmark = pytest.mark.engine_independent  # ts.fit outside scopes (checked)
+
 
 @settings(max_examples=30, deadline=None)
 @given(

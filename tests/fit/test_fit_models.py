@@ -12,6 +12,8 @@ import tensorscope as ts
 
 from .fit_helpers import BATCH, VOCAB, batches, differing, optimizer, plain_peak, step, tiny, twin
 
+pytestmark = pytest.mark.engine_independent  # ts.fit outside scopes (checked)
+
 MODELS = ["gpt2", "llama", "bert", "mlp", "cnn"]
 STEPS = 4
 
@@ -60,6 +62,7 @@ def test_a_larger_budget_keeps_more_and_runs_plain_results() -> None:
     fit.remove()
 
 
+@pytest.mark.engine_dependent  # scopes or ts.manage
 def test_inside_scopes_both_ways() -> None:
     budget = int(plain_peak("llama", "adamw") * 0.6)
     model = tiny("llama")

@@ -30,6 +30,8 @@ from tensorscope.fit.decide import decide
 
 from .fit_helpers import MLPChain, differing, offload_for_free, twin
 
+pytestmark = pytest.mark.engine_independent  # ts.fit outside scopes (checked)
+
 CHAIN = Chain([1.0] * 6, [2.0] * 6, [10] * 7, [0] + [50] * 6, [5] * 6, [8] * 6)
 FREED = StepBase(True, 380, 580, 420, 300, 30, 100, 1.0)
 
@@ -162,6 +164,7 @@ def forced(monkeypatch: pytest.MonkeyPatch) -> None:
     offload_for_free(monkeypatch)
 
 
+@pytest.mark.engine_dependent  # scopes or ts.manage
 @pytest.mark.usefixtures("forced")
 @pytest.mark.parametrize("scoped", [False, True])
 def test_offloaded_blocks_train_bit_identically_within_the_budget(scoped: bool) -> None:

@@ -21,6 +21,8 @@ from tensorscope.fit.parts import place
 
 from .fit_helpers import differing, gpt2
 
+pytestmark = pytest.mark.engine_independent  # ts.fit outside scopes (checked)
+
 VOCAB, BATCH, SEQ = 256, 4, 64
 
 
@@ -127,6 +129,7 @@ def test_placed_parameters_train_like_plain_within_the_budget(budgets: tuple[int
     assert differing(model, ref) == []
 
 
+@pytest.mark.engine_dependent  # scopes or ts.manage
 def test_inside_a_scope_under_the_python_path_too(budgets: tuple[int, int]) -> None:
     placed_least, unplaced_least = budgets
     model = _gpt2()

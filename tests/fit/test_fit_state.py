@@ -17,6 +17,8 @@ from tensorscope.fit.statestore import MIN_SPILL_BYTES, StateStore
 
 from .fit_helpers import batches, differing, optimizer, step, tight_state_budget, tiny, twin
 
+pytestmark = pytest.mark.engine_independent  # ts.fit outside scopes (checked)
+
 
 def _state_equal(a: torch.optim.Optimizer, b: torch.optim.Optimizer) -> None:
     sa, sb = a.state_dict()["state"], b.state_dict()["state"]
@@ -127,6 +129,7 @@ def test_a_failed_write_leaves_the_state_in_memory_and_warns() -> None:
     assert torch.equal(opt.state[lin.weight]["exp_avg"], before["exp_avg"])
 
 
+@pytest.mark.engine_dependent  # scopes or ts.manage
 def test_a_managed_model_keeps_its_optimizer_state_with_the_residency_manager() -> None:
     # ts.manage places optimizer state made for managed parameters itself: ts.fit must not
     # also move it (its bytes may be on the manager's disk tier, not at data_ptr())

@@ -18,6 +18,8 @@ from tensorscope.fit.statestore import StateStore, row_safe
 
 from .fit_helpers import batches, big_vocabulary, differing, optimizer, step, twin
 
+pytestmark = pytest.mark.engine_independent  # ts.fit outside scopes (checked)
+
 OPTIMIZERS: dict[str, Callable[[Iterator[nn.Parameter]], torch.optim.Optimizer]] = {
     "adamw": lambda ps: torch.optim.AdamW(ps, lr=1e-3, weight_decay=0.01),
     "adam-amsgrad": lambda ps: torch.optim.Adam(ps, lr=1e-3, weight_decay=0.1, amsgrad=True),

@@ -20,6 +20,8 @@ from tensorscope.fit.statestore import MIN_SPILL_BYTES, StateStore
 from .fit_helpers import batches, big_vocabulary, differing, optimizer, step, twin
 from .test_fit_state_rows import OPTIMIZERS, SHORT
 
+pytestmark = pytest.mark.engine_independent  # ts.fit outside scopes (checked)
+
 
 def _net() -> nn.Module:
     torch.manual_seed(0)

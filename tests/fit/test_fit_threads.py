@@ -6,12 +6,15 @@ from __future__ import annotations
 import threading
 from typing import Any
 
+import pytest
 import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
 import tensorscope as ts
 
 from .fit_helpers import batches, differing, optimizer, plain_peak, step, tiny, twin
+
+pytestmark = pytest.mark.engine_independent  # ts.fit outside scopes (checked)
 
 
 def _no_dropout(model: torch.nn.Module) -> torch.nn.Module:

@@ -9,6 +9,8 @@ import torch
 
 from .fit_helpers import BIG_VOCAB, VOCAB, big_vocabulary, differing, plain_peak, tiny
 
+pytestmark = pytest.mark.engine_independent  # ts.fit outside scopes (checked)
+
 transformers = pytest.importorskip("transformers")
 
 

@@ -22,6 +22,8 @@ from tensorscope.fit.offload import ActivationOffloader, offload_blocks
 
 from ._support import assert_same, grads, mlp, mlp_input, released, run_plain
 
+pytestmark = pytest.mark.engine_independent  # ts.fit outside scopes (checked)
+
 
 def _step(model: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
     out: torch.Tensor = model(x)
@@ -196,6 +198,7 @@ def test_autocast() -> None:
     assert all(group.kept.get("PARAMETER", 0) > 0 for group in stats.groups.values())
 
 
+@pytest.mark.engine_dependent  # scopes or ts.manage
 @pytest.mark.parametrize("moved", [False, True])
 def test_inside_a_scope(moved: bool) -> None:
     model, x = mlp(), mlp_input()

@@ -11,6 +11,8 @@ from tensorscope.fit.offload import offload_blocks
 
 from ._support import assert_same, blocks_of, grads, hf_input, hf_model, released
 
+pytestmark = pytest.mark.engine_independent  # ts.fit outside scopes (checked)
+
 pytest.importorskip("transformers")
 
 
@@ -20,6 +22,7 @@ def _loss(model: torch.nn.Module, ids: torch.Tensor, seed: int = 0) -> torch.Ten
     return loss
 
 
+@pytest.mark.engine_dependent  # scopes or ts.manage
 @pytest.mark.parametrize("name", ["gpt2", "llama"])
 @pytest.mark.parametrize("scoped", [False, True])
 def test_training_steps_bit_identical(name: str, scoped: bool) -> None:

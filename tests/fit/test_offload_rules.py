@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import math
 
+import pytest
+
 from tensorscope.fit.offload_rules import (
     DEFAULT_MIN_BYTES,
     Bandwidth,
@@ -14,6 +16,8 @@ from tensorscope.fit.offload_rules import (
     decide,
     transfer_seconds,
 )
+
+pytestmark = pytest.mark.engine_independent  # ts.fit outside scopes (checked)
 
 
 def test_decide_order_of_reasons() -> None:

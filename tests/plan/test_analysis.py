@@ -17,6 +17,8 @@ from tensorscope.plan.snapshot import snapshot_dict
 from tensorscope.plan.summary import summary
 from tensorscope.plan.whatif import peak_of
 
+pytestmark = pytest.mark.engine_independent  # recordings of plain steps (checked)
+
 
 def _ops(phases: str, forward_ops: dict[int, int] | None = None, calls: str = "") -> list[OpRecord]:
     """``phases``: one letter per op (f forward, b backward, o optimizer)."""

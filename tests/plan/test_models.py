@@ -93,6 +93,7 @@ def test_under_the_residency_manager_per_tier(name: str) -> None:
         handle.remove()
 
 
+@pytest.mark.slow  # inductor compiles a GPT-2 step with the C++ compiler (cold: ~25 s of CPU)
 def test_torch_compile_counts_a_graph_as_its_outputs() -> None:
     import torch._dynamo
 

@@ -14,6 +14,8 @@ import tensorscope as ts
 
 from ._support import mlp, mlp_step
 
+pytestmark = pytest.mark.engine_independent  # recordings of plain steps (checked)
+
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 

@@ -7,6 +7,7 @@ import pickle
 import threading
 from typing import Any
 
+import pytest
 import torch
 from torch import nn
 
@@ -14,6 +15,8 @@ import tensorscope as ts
 from tensorscope.plan.data import CATEGORIES
 
 from ._support import allocator_peak, mlp, mlp_step, state_tensors, storage_bytes
+
+pytestmark = pytest.mark.engine_independent  # recordings of plain steps (checked)
 
 
 def _record(step: Any, **kwargs: Any) -> ts.MemoryPlan:

@@ -6,12 +6,15 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable
 
+import pytest
 import torch
 from torch.utils.checkpoint import checkpoint
 
 import tensorscope as ts
 
 from ._support import allocator_peak, batch, build, hf_step
+
+pytestmark = pytest.mark.engine_independent  # recordings of plain steps (checked)
 
 Step = Callable[[], None]
 

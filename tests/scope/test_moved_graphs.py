@@ -100,6 +100,8 @@ def _run_cases(engine: str) -> dict[str, object]:
     return result
 
 
+@pytest.mark.slow  # two interpreters run every case
+@pytest.mark.engine_independent  # its subprocesses choose their engines themselves
 def test_both_engines_give_the_same_results_errors_counts_and_stats() -> None:
     cpp = _run_cases("c++")
     python = _run_cases("python")

@@ -182,6 +182,7 @@ print("weights equal", all(torch.equal(p.detach(), q.detach())
 """
 
 
+@pytest.mark.slow  # a subprocess trains a 400-parameter model
 def test_a_400_parameter_model_trains_under_ulimit_1024_with_few_descriptors(
     tmp_path: os.PathLike[str],
 ) -> None:
