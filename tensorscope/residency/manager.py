@@ -35,7 +35,7 @@ import torch
 from tensorscope import _intercept
 from tensorscope._slot import set_residency_active
 from tensorscope._thread import ThreadState, thread_state
-from tensorscope._torch import cuda_stream, storage_address
+from tensorscope._torch import storage_address
 from tensorscope._units import format_bytes
 from tensorscope.errors import (
     ArgumentTypeError,
@@ -46,7 +46,8 @@ from tensorscope.errors import (
 from tensorscope.graph.order import ModuleOrder
 from tensorscope.graph.record import Recorder
 from tensorscope.policies import Action, Flow, Policy
-from tensorscope.residency import config, native, room, watch
+from tensorscope.residency import backends, config, native, room, watch
+from tensorscope.residency.backends import Backend
 from tensorscope.residency.cadence import Cadence
 from tensorscope.residency.disk import DiskTier
 from tensorscope.residency.ledger import Ledger
@@ -59,22 +60,13 @@ from tensorscope.residency.prefetch import Prefetcher
 from tensorscope.residency.report import ResidencyReport, TierReport, Transfers
 from tensorscope.residency.room import Blocked
 from tensorscope.residency.signals import watch_private_dirs
-from tensorscope.residency.tiers import (
-    TIER_ORDER,
-    DeviceTier,
-    HostTier,
-    TierName,
-)
+from tensorscope.residency.tiers import TIER_ORDER, TierName
 
 __all__ = ["ResidencyManager"]
 
 _UNSET: Any = object()
 _SWEEP_EVERY = 64  # ops between sweeps of placements nothing else holds any more
 _WAIT_S = 0.05  # re-check for room this often while other threads' ops hold it
-
-
-def _default_device() -> torch.device:
-    return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
 
 
 class ResidencyManager(ModuleSupport):
@@ -93,13 +85,12 @@ class ResidencyManager(ModuleSupport):
     def __init__(self) -> None:
         self._lock = threading.RLock()
         self._room = threading.Condition(self._lock)  # notified when an op unpins
-        self._device = _default_device()
+        self._device = backends.default_device()
+        self._backend: Backend | None = None  # what differs per device (made on first use)
         self._policy: Policy = Flow()
         self._budget: int | None = None
         self._offload_dir: str | None = None
         self._disk: DiskTier | None = None
-        self._host: HostTier | None = None
-        self._copy_stream: torch.cuda.Stream | None = None
         self._movers: Movers | None = None
         self._prefetcher: Prefetcher | None = None
         # Prefetches that landed while the lock was held (appended by the prefetch threads).
@@ -150,18 +141,20 @@ class ResidencyManager(ModuleSupport):
         new_policy = self._policy if policy is _UNSET else config.parse_policy(policy)
         new_device = self._device if device is _UNSET else config.parse_device(device)
         new_dir: Any = _UNSET if offload_dir is _UNSET else config.check_offload_dir(offload_dir)
+        new_backend = backends.backend_for(new_device)  # reads TENSORSCOPE_BACKEND
         with self._lock:
-            if new_device != self._device and self.ledger.placements:
+            if new_backend is not self.backend and self.ledger.placements:
                 raise ResidencyError(
                     f"tensorscope.residency: cannot move {len(self.ledger)} managed tensors "
-                    f"from {self._device} to {new_device}; remove() them first."
+                    f"from {self._device} ({self.backend.name} backend) to {new_device} "
+                    f"({new_backend.name} backend); remove() them first."
                 )
             if new_dir is not _UNSET:
                 self._set_offload_dir(new_dir)  # a checked str or None
-            if new_device != self._device:
-                self._copy_stream = None
+            if new_backend is not self._backend:
                 self._movers = None
             self._device = new_device
+            self._backend = new_backend
             self.sync_ops()
             if new_policy is not self._policy:
                 self._policy = new_policy
@@ -212,11 +205,17 @@ class ResidencyManager(ModuleSupport):
         return self._policy
 
     @property
+    def backend(self) -> Backend:
+        """What differs per device (``residency/backends``), chosen when configured."""
+        backend = self._backend
+        if backend is None:
+            backend = self._backend = backends.backend_for(self._device)
+        return backend
+
+    @property
     def tiers(self) -> tuple[TierName, ...]:
         """The tiers in use, top to bottom (no host tier when the device is the CPU)."""
-        if self._device.type == "cpu":
-            return ("device", "disk")
-        return TIER_ORDER
+        return self.backend.tiers
 
     @property
     def disk(self) -> DiskTier:
@@ -226,14 +225,9 @@ class ResidencyManager(ModuleSupport):
         return self._disk
 
     def movers(self) -> Movers:
-        if self._device.type == "cuda":
-            if self._host is None:
-                self._host = HostTier()
-            if self._copy_stream is None:
-                self._copy_stream = cuda_stream(self._device)
         disk = self.disk
         if self._movers is None or self._movers.disk is not disk:
-            self._movers = Movers(DeviceTier(self._device), self._host, disk, self._copy_stream)
+            self._movers = Movers(self.backend, disk)
         return self._movers
 
     def recorder(self) -> Recorder:
@@ -262,6 +256,7 @@ class ResidencyManager(ModuleSupport):
             in_checkpoint = [
                 p for p in ledger.placements.values() if p.region is not None and p.region.readonly
             ]
+            pinned, limit, pageable, why = self.backend.staging_report()
             rep = ResidencyReport(
                 str(self._device),
                 getattr(self._policy, "name", type(self._policy).__name__),
@@ -274,6 +269,10 @@ class ResidencyManager(ModuleSupport):
                 self.converted,
                 self.pace.read_rate,
                 *self._allocator_bytes(),
+                pinned,
+                limit,
+                pageable,
+                why,
             )
             if reset:
                 ledger.reset_counters()
@@ -281,10 +280,8 @@ class ResidencyManager(ModuleSupport):
 
     # ------------------------------------------------------------------------ registration
     def _allocator_bytes(self) -> tuple[int | None, int | None]:
-        """(reserved, allocated) of the CUDA caching allocator on the device; Nones elsewhere."""
-        if self._device.type != "cuda" or not torch.cuda.is_initialized():  # type: ignore[no-untyped-call]
-            return None, None
-        return torch.cuda.memory_reserved(self._device), torch.cuda.memory_allocated(self._device)
+        """(reserved, allocated) of the device's caching allocator (CUDA); Nones elsewhere."""
+        return self.backend.allocator_bytes()
 
     def placement_of(self, tensor: torch.Tensor) -> Placement | None:
         """The placement managing ``tensor``'s storage, or None."""
@@ -541,7 +538,7 @@ class ResidencyManager(ModuleSupport):
         if (
             region is not None
             and region.readonly
-            and self._device.type == "cpu"
+            and self.backend.maps_files
             and self.disk.streams(self._budget or 0)
         ):
             region.uncache()  # see the NOTE in DiskTier.streams
@@ -575,7 +572,7 @@ class ResidencyManager(ModuleSupport):
         if not checked and movers.damage(placement) is not None:
             return  # lost bytes: the op that needs them raises, a prefetch must not
         source = placement.tier
-        if self._device.type == "cuda":
+        if not movers.maps_files:  # a copy on the backend's copy stream
             try:
                 seconds = movers.promote(placement, background=True)
             except ResidencyError:

@@ -94,7 +94,8 @@ def publish(placement: Any, create: bool = True) -> None:
     fast = on_device and placement.pending is None
     fd = -1
     region = placement.region
-    if fast and region is not None and placement.storage.device.type == "cpu":
+    # Where the region is the storage's memory (a CPU device), not a copy of it.
+    if fast and region is not None and placement.storage.data_ptr() == region.address:
         file = region.file
         # An offload arena (disk.Arena: a canary after its data) and not a checkpoint file.
         if getattr(file, "_canary", None) is not None and file.cut is None and not region.readonly:

@@ -58,6 +58,8 @@ RANK = {unit: rank for rank, units in enumerate(LAYERS) for unit in units}
 # The order inside a package, lowest first ("__init__": the package's face, on top).
 INSIDE: dict[str, list[tuple[str, ...]]] = {
     "residency": [
+        # what differs per device: allocations, copies, events, pinned staging (API §12)
+        ("backends",),
         # settings, estimates, mapped files, tier names, the disk's pace, the module watchers
         ("config", "estimate", "integrity", "mapping", "pace", "report", "split", "tempdirs"),
         ("tiers", "watch", "checkpoint_files", "signals"),
