@@ -150,9 +150,11 @@ class Backend:
     ) -> Pending:
         """Copy host ``src`` into device ``dst``: on the copy stream in when ``background``
         (wait for the ``Pending`` before reading ``dst``), else on the compute stream."""
-        pinned = self.pinned(src)
         nbytes = src.nbytes()
-        if background and not pinned and self.pool is not None and nbytes:
+        if not nbytes:
+            return DONE
+        pinned = self.pinned(src)
+        if background and not pinned and self.pool is not None:
             staged = self.pool.take(nbytes)  # rule 6: a disk mapping is staged first
             if staged is not None:
                 with no_dispatch():
@@ -163,6 +165,8 @@ class Backend:
     def copy_out(self, dst: torch.UntypedStorage, src: torch.UntypedStorage) -> Pending:
         """Copy device ``src`` into host ``dst`` on the copy stream out (``synchronize()``
         before the host reads ``dst``; ``wait()`` orders later copies on the compute stream)."""
+        if not src.nbytes():
+            return DONE
         return self._copy(dst, src, to_device=False, background=True, pinned=self.pinned(dst))
 
     def claim(self, storage: torch.UntypedStorage) -> None:

@@ -18,9 +18,10 @@ and what synchronous CPU copies would hide fails deterministically.
 # and a stream more than _BEHIND copies behind lands its oldest. The source is read at
 # landing, so a source changed meanwhile is copied changed. The device memory a copy uses must
 # still be in the storage it was queued with, or have been given back through ``release``
-# (which keeps it for the copy, as ``record_stream`` does): otherwise landing raises
-# ``ResidencyError``. A copy to a device storage that died meanwhile lands nowhere (on CUDA
-# ``record_stream`` keeps the block; nothing can read it). So a missing wait reads poison, and
+# (which hands it to the copy): otherwise landing raises ``ResidencyError``. As
+# ``record_stream`` keeps a CUDA block for its copies, the storage a copy reads is kept alive
+# for it, and a copy to a device storage that died meanwhile lands nowhere (nothing can read
+# it). So a missing wait reads poison, and
 # memory taken from under a copy raises, where synchronous CPU copies would pass. Copies on
 # the compute stream, and copies of pageable memory (blocking), run at once, as on CUDA. For
 # tests: ``device_full`` makes every device allocation raise torch's ``OutOfMemoryError``;
@@ -78,12 +79,14 @@ class StrictCopy:
         self.backend = backend
         self.to_device = to_device
         self.stream = "in" if to_device else "out"
-        # The device memory is followed weakly (its storage may die: then the copy would use
-        # freed memory); host memory lives as long as the copy (rule 5).
+        # Host memory lives as long as the copy (rule 5). The device memory a copy reads is kept
+        # for it, as record_stream keeps a CUDA block (and ``release`` hands over the memory
+        # that left the storage); a device storage a copy writes is followed weakly: dead, it
+        # is written nowhere.
         self.device = weakref.ref(device)
         self.address = device.data_ptr()
         self.host: torch.UntypedStorage | None = host
-        self.kept: torch.UntypedStorage | None = None  # given back by ``release`` meanwhile
+        self.kept: torch.UntypedStorage | None = None if to_device else device
         self.deps = deps  # copies the compute stream waited for when this one was queued
         self.landed = False
 
@@ -178,9 +181,9 @@ class StrictBackend(Backend):
             device = copy.kept if copy.kept is not None else copy.device()
             host = copy.host
             copy.deps, copy.host, copy.kept = [], None, None
-            if device is None and copy.to_device:
-                return  # its storage died unread: on CUDA record_stream keeps the block meanwhile
-            if device is None or device.data_ptr() != copy.address:
+            if device is None:
+                return  # a device storage it wrote died unread (see __init__)
+            if device.data_ptr() != copy.address:
                 way = "writes" if copy.to_device else "reads"
                 raise ResidencyError(
                     f"tensorscope.residency (strict backend): a copy {way} device memory that "
@@ -204,7 +207,8 @@ class StrictBackend(Backend):
         with self._lock:
             for queue in self._queued.values():
                 for copy in queue:
-                    if copy.kept is None and copy.address == address and copy.device() is left:
+                    mine = copy.kept is left or (copy.kept is None and copy.device() is left)
+                    if mine and copy.address == address:
                         copy.kept = old
 
     def synchronize(self) -> None:
