@@ -280,7 +280,8 @@ class _Reader:
             or not isinstance(call, ast.Call)
             or ast.unparse(call.func) != "self.loss_function"
         ):
-            raise _Refused(self._why(s, "the loss (self.loss_function of the labels)"))
+            shown = body[0] if body else s  # the statement under the `if`, if any
+            raise _Refused(self._why(shown, "the loss (self.loss_function of the labels)"))
         expected = {"logits": self.logits, "labels": "labels", "vocab_size": "vocab"}
         given = dict(zip(expected, map(ast.unparse, call.args), strict=False))
         for keyword in call.keywords:
@@ -289,7 +290,7 @@ class _Reader:
             elif keyword.arg in expected and keyword.arg not in given:
                 given[keyword.arg] = ast.unparse(keyword.value)
             else:
-                raise _Refused(self._why(s, "the loss"))
+                raise _Refused(self._why(assign, "the loss"))
         vocab = given.pop("vocab_size", "")
         expected.pop("vocab_size")
         if (
@@ -297,7 +298,7 @@ class _Reader:
             or len(call.args) > 3
             or not re.fullmatch(r"self(\.\w+)*\.vocab_size", vocab)
         ):
-            raise _Refused(self._why(s, "the loss"))
+            raise _Refused(self._why(assign, "the loss"))
         self.step = "tuple"
 
     def _return(self, s: ast.stmt) -> None:
