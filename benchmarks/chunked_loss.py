@@ -91,7 +91,7 @@ def main() -> None:
         f"{chunk} rows; inputs {inputs / 2**20:.1f} MiB"
     )
     peaks = {name: _peak(loss, h, w, y) for name, loss in losses.items()}
-    for name, loss in losses.items():  # warm up
+    for loss in losses.values():  # warm up
         _seconds(loss, h, w, y)
     rounds, runs = (1, 2) if args.quick else (5, 3)
     medians: dict[str, list[float]] = {name: [] for name in losses}

@@ -132,7 +132,8 @@ class ChunkedCausalLM:
         return self._original is not None
 
     def attach(self) -> None:
-        """Install the chunked forward on the model instance (see the NOTE).
+        """Install the chunked forward on the model instance (see the NOTE). A model whose
+        ``reason`` is not ``None`` gets it too: each call runs its own forward and says why.
 
         Raises:
             InvalidArgumentError: already attached.
@@ -276,8 +277,8 @@ class ChunkedCausalLM:
         assert form is not None
         model, arguments = self.model, self._defaults(dict(arguments))
         extra = dict(arguments.get(form.var_keyword, {})) if form.var_keyword else {}
-        if form.tuple_branch is None:
-            extra.pop("return_dict", None)  # can_return_tuple's
+        if any(kind == _RETURN_TUPLE for kind, _ in self._wrappers):
+            extra.pop("return_dict", None)  # can_return_tuple takes it
         base: Any = model
         for name in form.base:
             base = getattr(base, name)

@@ -72,6 +72,24 @@ def test_three_adamw_steps_follow_plain_training(name: str, scoped: bool) -> Non
     _close(model, plain)
 
 
+def _largest_made(model: nn.Module) -> int:
+    """The largest storage a recorded training step of ``model`` makes, in bytes."""
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with ts.record() as rec:
+        model(**next(_batches())).loss.backward()
+        opt.step()
+    return max(life.nbytes for life in rec.plan().lifetimes if life.created >= 0)
+
+
+def test_a_recorded_step_never_holds_the_logits() -> None:
+    logits = BATCH * SEQ * BIG_VOCAB * 4  # 2 MiB; the head's weight is 512 KiB
+    plain = big_vocabulary("gpt2")
+    model = copy.deepcopy(plain)
+    ChunkedCausalLM(model, chunk_bytes=64 << 10).attach()
+    assert _largest_made(plain) >= logits
+    assert _largest_made(model) <= BIG_VOCAB * 32 * 4  # the head's gradient, at most
+
+
 def test_every_output_but_the_logits_is_the_models() -> None:
     plain = big_vocabulary("gpt2")
     model = copy.deepcopy(plain)
