@@ -47,7 +47,8 @@ LAYERS: list[tuple[str, ...]] = [
     ("loading",),  # ts.manage(checkpoint=...)
     ("manage",),  # ts.manage()
     ("checkpoint", "memory", "plan"),  # rotor; RSS sampling; the memory plan of a step
-    # ts.fit: one plan of a training step under a byte budget; activation offload (offload*.py)
+    # ts.fit: one plan of a training step under a byte budget; activation offload (offload*.py);
+    # the LM head and loss in row chunks (chunkloss.py; headform.py, pure; causal_lm.py)
     ("fit",),
     # `tensorscope demo`; callbacks for other libraries (HF Trainer); `tensorscope check`
     ("demo", "integrations", "check"),

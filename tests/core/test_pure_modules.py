@@ -42,6 +42,7 @@ PURE = [
     "tensorscope.fit.decide",
     "tensorscope.fit.report",
     "tensorscope.fit.offload_rules",
+    "tensorscope.fit.headform",
     "tensorscope.fit.phase",
 ]
 
