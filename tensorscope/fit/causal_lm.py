@@ -19,10 +19,10 @@ from torch.nn import functional
 
 from tensorscope._copies import MISSING, Attached, leave_out_of_copies
 from tensorscope.errors import ArgumentTypeError, InvalidArgumentError
-from tensorscope.fit.chunkloss import CHUNK_BYTES, chunk_rows_for, linear_cross_entropy
+from tensorscope.fit.chunkloss import CHUNK_BYTES, chunk_rows, linear_cross_entropy
 from tensorscope.fit.headform import HeadForm, read_head_form
 
-__all__ = ["ChunkedCausalLM"]
+__all__ = ["ChunkedCausalLM", "output_embeddings"]
 
 # NOTE [the chunked forward of a causal LM]
 # attach() sets the model's `forward` as an instance attribute (the class's stays; copies of
@@ -93,7 +93,7 @@ class ChunkedCausalLM:
                 f"not shifted and its decoder takes the labels; the chunked LM loss is for "
                 f"causal LMs (GPT-2, Llama, Qwen2, Mistral, ...)"
             )
-        if _output_embeddings(model) is None:
+        if output_embeddings(model) is None:
             raise InvalidArgumentError(
                 f"tensorscope.fit: {name} has no output embeddings (LM head): not a causal LM"
             )
@@ -219,7 +219,7 @@ class ChunkedCausalLM:
             name = getattr(loss_function, "__name__", repr(loss_function))
             return f"its loss_function is {name}, not transformers' ForCausalLMLoss"
         head = getattr(model, form.head, None)
-        if head is None or head is not _output_embeddings(model):
+        if head is None or head is not output_embeddings(model):
             return f"its head self.{form.head} is not its output embeddings"
         if type(head).forward is not nn.Linear.forward:
             return f"its head is a {type(head).__name__}, not a plain nn.Linear"
@@ -295,13 +295,14 @@ class ChunkedCausalLM:
             shift_labels = labels[..., 1:].contiguous()
         head: nn.Linear = getattr(model, form.head)
         softcap = getattr(model.config, form.softcap) if form.softcap else None
+        rows = hidden.numel() // hidden.shape[-1]
         loss = linear_cross_entropy(
             hidden.reshape(-1, hidden.shape[-1]),
             head.weight,
             head.bias,
             shift_labels.reshape(-1).to(hidden.device),
             ignore_index=ignore_index,
-            chunk_rows=chunk_rows_for(head.out_features, self.chunk_bytes),
+            chunk_rows=chunk_rows(rows, head.out_features, self.chunk_bytes),
             softcap=softcap,
             num_items_in_batch=loss_kwargs.get("num_items_in_batch"),
         )
@@ -310,7 +311,8 @@ class ChunkedCausalLM:
         return output(loss=loss, logits=None, **fields)
 
 
-def _output_embeddings(model: nn.Module) -> Any:
+def output_embeddings(model: nn.Module) -> Any:
+    """The model's LM head (transformers' ``get_output_embeddings()``)."""
     return model.get_output_embeddings()  # type: ignore[operator]
 
 

@@ -14,7 +14,7 @@ from torch.nn import functional
 
 from tensorscope.errors import ArgumentTypeError, InvalidArgumentError
 
-__all__ = ["CHUNK_BYTES", "chunk_rows_for", "linear_cross_entropy"]
+__all__ = ["CHUNK_BYTES", "MIN_CHUNKS", "chunk_rows", "chunk_rows_for", "linear_cross_entropy"]
 
 # NOTE [the head and its loss in row chunks]
 # A plain LM loss, F.cross_entropy(F.linear(h, W, b).float(), y), holds the logits (N x V) and,
@@ -59,6 +59,20 @@ def chunk_rows_for(vocab: int, nbytes: int = CHUNK_BYTES) -> int:
         (262, 1, 1)
     """
     return max(1, nbytes // (4 * max(1, vocab)))
+
+
+MIN_CHUNKS = 4  # a loss of few rows still runs in this many chunks: never the whole logits
+
+
+def chunk_rows(rows: int, vocab: int, nbytes: int = CHUNK_BYTES) -> int:
+    """Rows per chunk for ``rows`` rows: :func:`chunk_rows_for`, and at most a
+    ``MIN_CHUNKS``-th of the rows (so a small batch's logits are not made whole either).
+
+    Example:
+        >>> chunk_rows(100_000, 32000), chunk_rows(256, 4096), chunk_rows(3, 4096)
+        (262, 64, 1)
+    """
+    return max(1, min(chunk_rows_for(vocab, nbytes), -(-rows // MIN_CHUNKS)))
 
 
 class _Options(NamedTuple):

@@ -268,8 +268,15 @@ def decide(
             + _why(candidates)
             + ". Raise the budget, or use a smaller batch or sequence."
         )
+    # at equal predicted time the plain loss (its bits) before the chunked one, then the peak
     chosen = min(
-        fitting, key=lambda c: (c.predicted_s, c.predicted_peak, not c.base.free_gradients)
+        fitting,
+        key=lambda c: (
+            c.predicted_s,
+            c.base.chunked_loss,
+            c.predicted_peak,
+            not c.base.free_gradients,
+        ),
     )
     n = len(chain.fw) if chain is not None else 0
     blocks = block_choices(chosen.schedule, n, chosen.offloaded)

@@ -44,6 +44,7 @@ from tensorscope.fit.decider import Decider
 from tensorscope.fit.inbackward import parameters_of
 from tensorscope.fit.parts import Decided, Parts, Step
 from tensorscope.fit.parts.chain import ChainExecutor, find_the_chain
+from tensorscope.fit.parts.chunked import ChunkedLoss
 from tensorscope.fit.parts.inbackward import InBackwardUpdates
 from tensorscope.fit.parts.loss import LossRouting
 from tensorscope.fit.parts.offload import ActivationOffload
@@ -138,6 +139,7 @@ class Fit:
         self._place = ParamPlacement(self.chain)
         self._states = OptimizerStates(atomic)
         self._loss = LossRouting()
+        self._chunked = ChunkedLoss()
         self._recorder = StepRecorder()
         # NOTE [fit as parts]: the order. Attached, decided and started top-down; detached,
         # aborted and forwards ended bottom-up.
@@ -148,12 +150,21 @@ class Fit:
                 ChainExecutor(self.chain, self._offload, self._place),  # the blocks routed
                 self._states,  # optimizer state in the next tier between updates
                 InBackwardUpdates(self._states),  # updates inside backward (the store's rows)
+                self._chunked,  # an HF causal LM's head and loss in row chunks, if decided
                 self._loss,  # a large F.cross_entropy with its gradient in place
                 self._recorder,  # the step recorded: opens after the others, closes first
             ]
         )
         self._decider = Decider(
-            model, optimizer, budget, self.chain, self._offload, self._place, self._states, atomic
+            model,
+            optimizer,
+            budget,
+            self.chain,
+            self._offload,
+            self._place,
+            self._states,
+            atomic,
+            chunked=self._chunked,
         )
         self.optimizer_note = self._decider.optimizer_note
         self.plan_before: MemoryPlan | None = None
@@ -511,6 +522,8 @@ class Fit:
                 timed_steps=len(self._times),
                 state_where=state_where(self.optimizer, self.decision, self._place, self._states),
                 loss_shape=self.loss_shape if self.loss_routed else None,
+                chunk_rows=self._chunked.rows(),
+                chunk_why_not=self._chunked.why_not,
                 notes=tuple(self.notes),
                 error=str(self._error) if self._error is not None else None,
                 removed=self.removed,
