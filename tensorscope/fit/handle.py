@@ -139,6 +139,8 @@ class Fit:
         self._place = ParamPlacement(self.chain)
         self._states = OptimizerStates(atomic)
         self._loss = LossRouting()
+        self._inb = InBackwardUpdates(self._states)
+        self._inb.on_late_reader = self._late_reader
         self._chunked = ChunkedLoss()
         self._recorder = StepRecorder()
         # NOTE [fit as parts]: the order. Attached, decided and started top-down; detached,
@@ -149,7 +151,7 @@ class Fit:
                 self._place,  # the chain's parameters in files between their uses
                 ChainExecutor(self.chain, self._offload, self._place),  # the blocks routed
                 self._states,  # optimizer state in the next tier between updates
-                InBackwardUpdates(self._states),  # updates inside backward (the store's rows)
+                self._inb,  # updates inside backward (the store's rows)
                 self._chunked,  # an HF causal LM's head and loss in row chunks, if decided
                 self._loss,  # a large F.cross_entropy with its gradient in place
                 self._recorder,  # the step recorded: opens after the others, closes first
@@ -243,6 +245,8 @@ class Fit:
         step = self._step
         assert step is not None  # _begin made it, or raised
         step.forwards += 1
+        if step.forwards > 1 and not step.running and self._inb.updated_this_step:
+            self._late_reader("a second forward before optimizer.step()", None, stacklevel=5)
         step.running.append(call.frame)
         call.step = step
         self._parts.forward_start(step)
@@ -384,6 +388,39 @@ class Fit:
                 FitWarning,
                 stacklevel=3,
             )
+
+    def _late_reader(self, what: str, gone: int | None, stacklevel: int = 4) -> None:
+        """NOTE [a step that reads gradients after the recorded one] (fit/gradreaders.py)."""
+        updated = self._inb.updated_this_step
+        step = self._step.number if self._step is not None else self.steps + 1
+        if gone is None:
+            reason = (
+                "gradient accumulation began after the recorded step (a second forward before "
+                "optimizer.step())"
+            )
+            effect = (
+                f"its backward had already applied {updated} parameters' updates inside "
+                f"backward, so this micro-batch runs on updated weights and its gradients are "
+                f"applied by optimizer.step() on their own"
+            )
+        else:
+            reason = (
+                f"{what} reads the gradients before optimizer.step() (not in the recorded step)"
+            )
+            effect = (
+                f"{gone} of the gradients it was given were already applied and freed inside "
+                f"backward, so it did not see them (nothing was clipped)"
+            )
+        self.notes.append(f"step {step}: {what}: {effect}; gradients kept from now on")
+        warnings.warn(
+            f"{_SUB}: step {step}: {what}, which the recorded step did not do: {effect}. This "
+            f"step differs from the plain loop's; from now on gradients are kept until "
+            f"optimizer.step() and every step is exact again. To keep every step exact, do in "
+            f"the first step what later steps do (or use ts.fit(..., atomic=True))",
+            FitWarning,
+            stacklevel=stacklevel,  # the user's line: the reader's call, or the model's
+        )
+        self._redecide(reason)
 
     def _redecide(self, reason: str) -> None:
         if reason not in self.grads_kept_because:

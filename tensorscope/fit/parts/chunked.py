@@ -4,9 +4,10 @@ fit/causal_lm.py) when a decision chooses it -- the logits and their gradient ne
 # NOTE [when the loss runs in chunks]
 # The chunked loss sums its rows in another order than the plain head and loss, so results are
 # allclose to plain (float32: rtol 1e-5), not its bits (api.md §10): it is one more choice of
-# the decision, never the default. The decision takes it where it is predicted faster -- where
-# the loss region's memory (the logits, their float32 copy and gradients) makes the chain
-# recompute blocks, or nothing fits without it; at equal predicted time the plain loss wins.
+# the decision, never the default. The decision takes it where nothing fits without it, or
+# where it is predicted at least 5% faster (decide.py CHUNKED_GAIN: the loss region's memory --
+# the logits, their float32 copy and gradients -- makes the plain loss's plan recompute blocks
+# or move state); otherwise the plain loss wins.
 # Its memory is the account's (NOTE [the head and its loss in chunks], fit/account.py); its
 # time is counted as the plain head's and loss's (measured on this machine at 32 MiB chunks:
 # 1.01x the plain head and loss, benchmarks/chunked_loss.py). The measured step (step 1) runs
