@@ -27,6 +27,7 @@ from torch.utils.hooks import RemovableHandle
 
 from tensorscope import _step_hooks
 from tensorscope._copies import Attached, leave_out_of_copies
+from tensorscope._torch import caller_of_disabled, compiler_disabled
 from tensorscope._units import format_bytes
 from tensorscope.errors import FitWarning, ScheduleError
 from tensorscope.fit import fitted
@@ -187,10 +188,13 @@ class Fit:
         self._local = threading.local()  # this thread's model calls (_Call), innermost last
         self._stepping: FrameType | None = None  # the user's optimizer.step() running now
         self._parts.attach(model, optimizer)
+        # compiler-disabled: a compiled model breaks its graph around them, never traces a
+        # fit's state (NOTE [compiled models and the chain], checkpoint/routes.py)
+        disabled = compiler_disabled
         self._handles: list[RemovableHandle | Attached] = [
-            model.register_forward_pre_hook(self._before, with_kwargs=True),
-            model.register_forward_hook(self._returned),
-            model.register_forward_hook(self._after_forward, always_call=True),
+            model.register_forward_pre_hook(disabled(self._before), with_kwargs=True),
+            model.register_forward_hook(disabled(self._returned)),
+            model.register_forward_hook(disabled(self._after_forward), always_call=True),
         ]
         self._handles.append(leave_out_of_copies(model, list(self._handles)))  # _copies.py
         # global, after the recorder's (rank 0): torch runs an optimizer's own post hooks
@@ -228,7 +232,7 @@ class Fit:
         return calls
 
     def _before(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        call, calls = _Call(sys._getframe(1)), self._calls()
+        call, calls = _Call(caller_of_disabled()), self._calls()
         if calls:  # a BaseException skips the always_call hook: those calls do not run
             calls[:] = [c for c in calls if running(c.frame)]
         calls.append(call)  # first: the always_call hook pops it, whatever raises
