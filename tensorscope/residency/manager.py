@@ -100,6 +100,7 @@ class ResidencyManager(ModuleSupport):
     def __init__(self) -> None:
         self._lock = threading.RLock()
         self._room = threading.Condition(self._lock)  # notified when an op unpins
+        self._unlocked = Unlocked(self._lock)
         self._device = _default_device()
         self._policy: Policy = Flow()
         self._budget: int | None = None
@@ -117,7 +118,9 @@ class ResidencyManager(ModuleSupport):
         self.ledger = Ledger()
         self._recorders: dict[int, Recorder] = {}
         self.order = ModuleOrder()  # next uses guessed before an iteration is recorded
-        self.tally = Tally(self.sweep, self.iteration_end)  # the clock; sweeps (tally.py)
+        # How ops are counted (tally.py): the op path counts each op through it (tick,
+        # record, used), sync_ops replays the fast path's log into it.
+        self.tally = Tally(self.sweep, self.iteration_end)
         self.in_flight = 0  # ops between begin_op() and end_op(), on all threads
         self._threads: dict[int, ThreadState] = {}  # threads whose mode routes ops here
         self._handles: weakref.WeakSet[Any] = weakref.WeakSet()  # live ts.manage() handles
@@ -457,7 +460,7 @@ class ResidencyManager(ModuleSupport):
 
     # ---------------------------------------------------------------- the op path's side
     # NOTE [the op path's interface]: what oppath.py uses, besides the ledger, the policy,
-    # the cadence, the pace, the module order and the moves above.
+    # the cadence, the pace, the module order, the tally and the moves above.
     @property
     def lock(self) -> threading.RLock:
         """The manager's one lock (NOTE [threads]); re-entrant."""
@@ -468,37 +471,28 @@ class ResidencyManager(ModuleSupport):
         """Ops counted on managed tensors so far (all threads; tally.py)."""
         return self.tally.clock
 
-    def pinned(self, placements: Sequence[Placement]) -> Pins:
-        """``with manager.pinned(placements) as pins:`` keeps them on the device (pins.py)."""
-        return Pins(placements, self._lock, self._room, _WAIT_S)
+    def pinned(self, placements: Sequence[Placement], wake: bool = True) -> Pins:
+        """``with manager.pinned(placements) as pins:`` keeps them on the device (pins.py);
+        ``wake=False``: threads waiting for room are not woken when they are unpinned."""
+        return Pins(placements, self._lock, self._room, _WAIT_S, wake)
 
     def unlocked(self) -> Unlocked:
         """``with manager.unlocked():`` (the lock held) lets it go while an op computes."""
-        return Unlocked(self._lock)
+        return self._unlocked
 
     def room_freed(self) -> None:
         """Wake the threads waiting for room (bytes were demoted or unpinned)."""
         self._room.notify_all()
-
-    def tick(self) -> None:
-        """An op on managed tensors begins (tally.py): the clock advances, sweeps run."""
-        self.tally.tick()
-
-    def record_op(self, func: Any, roles: tuple[Hashable, ...]) -> None:
-        """Trace the op in this thread's recorder (its operands now resident)."""
-        self.tally.record(self.recorder(), self.order, func, roles, self.pace.clock())
 
     def begin_op(self, reserved: int) -> None:
         """An op is in flight, its results' bytes reserved against the budget."""
         self.ledger.reserved += reserved
         self.in_flight += 1
 
-    def end_op(self, reserved: int, operands: Sequence[Placement] = ()) -> None:
-        """The op ended (``operands``: it ran; they were last used now): what
-        ``begin_op`` reserved is given back."""
+    def end_op(self, reserved: int) -> None:
+        """The op ended (or failed): what ``begin_op`` reserved is given back."""
         self.ledger.reserved -= reserved
         self.in_flight -= 1
-        self.tally.used(operands)
 
     def iteration_boundary(self) -> None:
         """End of an iteration (an optimizer step): the trace so far predicts the next one."""

@@ -19,7 +19,7 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
-from collections.abc import Hashable, Sequence
+from collections.abc import Sequence
 from typing import Any, Protocol
 
 import torch
@@ -49,6 +49,7 @@ from tensorscope.residency.pace import Pace
 from tensorscope.residency.pins import Pins, Unlocked
 from tensorscope.residency.placement import Placement
 from tensorscope.residency.room import Blocked
+from tensorscope.residency.tally import Tally
 from tensorscope.residency.tiers import TierName
 
 __all__ = ["OpPath", "OpPathManager"]
@@ -63,11 +64,10 @@ class OpPathManager(Protocol):
     cadence: Cadence
     pace: Pace
     order: ModuleOrder
+    tally: Tally
 
     @property
     def lock(self) -> threading.RLock: ...
-    @property
-    def clock(self) -> int: ...
     @property
     def budget_bytes(self) -> int | None: ...
     @property
@@ -75,14 +75,12 @@ class OpPathManager(Protocol):
     @property
     def tiers(self) -> tuple[TierName, ...]: ...
 
-    def pinned(self, placements: Sequence[Placement]) -> Pins: ...
+    def pinned(self, placements: Sequence[Placement], wake: bool = True) -> Pins: ...
     def unlocked(self) -> Unlocked: ...
     def room_freed(self) -> None: ...
     def sync_ops(self) -> None: ...
-    def tick(self) -> None: ...
-    def record_op(self, func: Any, roles: tuple[Hashable, ...]) -> None: ...
     def begin_op(self, reserved: int) -> None: ...
-    def end_op(self, reserved: int, operands: Sequence[Placement] = ()) -> None: ...
+    def end_op(self, reserved: int) -> None: ...
     def recorder(self) -> Recorder: ...
     def check_fits(self, nbytes: int, what: str) -> None: ...
     def make_room(self, needed: int, what: str, *, holding_pins: bool = False) -> None: ...
@@ -171,18 +169,25 @@ class OpPath:
         mutating = kind == MUTATING
         overwritten = _overwritten(info, args) if mutating else None
         replacing = watch.before_data_change(args[0]) if info.flags & SETS_STORAGE else None
+        tally = manager.tally
         with manager.lock:
             estimate, moved = self._prepare(info, operands, estimate, slack)
             with manager.pinned(operands) as pins:
-                self._make_ready(func, info, operands, pins, estimate, mutating, overwritten)
+                while not self._make_resident(operands, estimate, mutating, info, overwritten):
+                    pins.wait_for_room()  # other threads' ops hold the room: wait for one
+                manager.begin_op(estimate)  # its results' bytes reserved
+                roles = tuple(p.role for p in operands)
+                tally.record(manager.recorder(), manager.order, func, roles, manager.pace.clock())
                 try:
                     with manager.unlocked():  # the op computes, its operands pinned
-                        self._wait_for_prefetches(operands)
+                        if any(placement.pending is not None for placement in operands):
+                            self._wait_for_prefetches(operands)
                         out = call(func, args, kwargs)
                 except BaseException:
                     manager.end_op(estimate)
                     raise  # unpinned as the block ends
-                manager.end_op(estimate, operands)
+                manager.end_op(estimate)
+                tally.used(operands)
                 if mutating:
                     for placement in operands:
                         placement.written = True
@@ -205,7 +210,7 @@ class OpPath:
         manager = self.manager
         moved = any(p.tier != "device" for p in operands)
         manager.sync_ops()  # first the ops the C++ op path ran (native.py)
-        manager.tick()
+        manager.tally.tick()
         need = sum(p.nbytes for p in operands) + estimate - slack
         manager.check_fits(need, f"op {info.label} (operands and results)")
         budget = manager.budget_bytes
@@ -213,30 +218,12 @@ class OpPath:
             estimate -= slack - max(0, min(slack, budget - need))
         return estimate, moved
 
-    def _make_ready(
-        self,
-        func: Any,
-        info: OpInfo,
-        operands: list[Placement],
-        pins: Pins,
-        estimate: int,
-        mutating: bool,
-        overwritten: int | None,
-    ) -> None:
-        """The operands pinned: make them resident with room for the results, reserve that
-        room and trace the op (the lock held)."""
-        manager = self.manager
-        while not self._make_resident(operands, estimate, mutating, info.label, overwritten):
-            pins.wait_for_room()  # other threads' ops hold the room: wait for one
-        manager.begin_op(estimate)
-        manager.record_op(func, tuple(p.role for p in operands))
-
     def _make_resident(
         self,
         operands: list[Placement],
         estimate: int,
         mutating: bool,
-        name: str,
+        info: OpInfo,
         overwritten: int | None = None,
     ) -> bool:
         """Make the (pinned) operands resident, with room for the results; False when only
@@ -251,7 +238,7 @@ class OpPath:
                 renewed.append(placement)  # lost, but the op overwrites all of it
             missing = [p for p in operands if p.tier != "device" or p in renewed]
             needed = sum(p.nbytes for p in missing if p.tier != "device") + estimate
-            manager.make_room(needed, f"op {name}", holding_pins=True)
+            manager.make_room(needed, f"op {info.label}", holding_pins=True)
             for placement in missing:
                 if placement in renewed:
                     manager.replace_lost(placement)
@@ -266,11 +253,10 @@ class OpPath:
         return True
 
     def _wait_for_prefetches(self, operands: list[Placement]) -> None:
-        if any(placement.pending is not None for placement in operands):
-            started = time.perf_counter()
-            for placement in operands:
-                placement.wait()
-            self.manager.pace.stalled(time.perf_counter() - started)
+        started = time.perf_counter()
+        for placement in operands:
+            placement.wait()
+        self.manager.pace.stalled(time.perf_counter() - started)
 
     def _decide(
         self, info: OpInfo, operands: list[Placement], results: list[Placement], moved: bool
@@ -279,7 +265,7 @@ class OpPath:
         policy's demotions and prefetches, at the ops where it decides (cadence.py)."""
         manager = self.manager
         ledger = manager.ledger
-        clock = manager.clock
+        clock = manager.tally.clock
         budget = manager.budget_bytes
         if budget is not None and ledger.device_total > budget:
             manager.make_room(0, f"op {info.label} (results)")  # the estimate was short
@@ -305,7 +291,8 @@ class OpPath:
         elif cadence.decide_at:
             cadence.every_op()
         snapshot = None
-        with manager.pinned(busy):  # the policy sees them as in use while it decides
+        # the policy sees them as in use while it decides (waiters are woken after apply)
+        with manager.pinned(busy, wake=False):
             if getattr(policy, "wants_snapshot_after_op", True):
                 snapshot = room.snapshot(
                     ledger,
@@ -348,7 +335,7 @@ class OpPath:
             found = ledger.placements.get(storage_address(tensor))
             if found is None:
                 placement = Placement(tensor.untyped_storage(), ("new", position, index), group)
-                placement.last_use = manager.clock
+                placement.last_use = manager.tally.clock
                 self._fit(placement)
                 manager.add(placement)
                 made += placement.nbytes

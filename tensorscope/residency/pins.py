@@ -22,11 +22,12 @@ __all__ = ["Pins", "Unlocked"]
 
 class Pins:
     """The pins of one holder. Entering pins each placement once; ``release()`` (or the end
-    of the block) unpins them and wakes threads waiting for room; ``wait_for_room()`` lets go
-    of them while this thread waits for another's op to end, and pins them again. Each takes
-    the manager's lock (re-entrant: callers usually hold it already)."""
+    of the block) unpins them and wakes threads waiting for room (unless ``wake`` is False: the
+    holder wakes them itself later); ``wait_for_room()`` lets go of them while this thread
+    waits for another's op to end, and pins them again. Each takes the manager's lock
+    (re-entrant: callers usually hold it already)."""
 
-    __slots__ = ("_held", "_lock", "_placements", "_room", "_wait_s")
+    __slots__ = ("_held", "_lock", "_placements", "_room", "_wait_s", "_wake")
 
     def __init__(
         self,
@@ -34,16 +35,20 @@ class Pins:
         lock: threading.RLock,
         room: threading.Condition,
         wait_s: float,
+        wake: bool = True,
     ) -> None:
-        self._placements = tuple(placements)
+        self._placements = placements  # not changed by the holder while pinned
         self._lock = lock
         self._room = room
         self._wait_s = wait_s
+        self._wake = wake
         self._held = False
 
     def __enter__(self) -> Pins:
         with self._lock:
-            self._pin()
+            for placement in self._placements:
+                placement.pins += 1
+            self._held = True
         return self
 
     def __exit__(
@@ -52,36 +57,36 @@ class Pins:
         error: BaseException | None,
         trace: TracebackType | None,
     ) -> None:
-        with self._lock:
-            self.release()
-
-    def _pin(self) -> None:
-        for placement in self._placements:
-            placement.pins += 1
-        self._held = True
-
-    def _unpin(self) -> None:
-        if self._held:
-            for placement in self._placements:
-                placement.pins -= 1
-            self._held = False
+        if self._held:  # release(), inlined: every op of the Python op path ends here
+            with self._lock:
+                for placement in self._placements:
+                    placement.pins -= 1
+                self._held = False
+                if self._wake:
+                    self._room.notify_all()
 
     def release(self) -> None:
         """Unpin now (before the block ends) and wake threads waiting for room."""
         with self._lock:
             if self._held:
-                self._unpin()
-                self._room.notify_all()
+                for placement in self._placements:
+                    placement.pins -= 1
+                self._held = False
+                if self._wake:
+                    self._room.notify_all()
 
     def wait_for_room(self) -> None:
         """Unpinned, wait until an op ends on another thread (or a short while), pin again:
         room that only other threads' ops can free must not wait on our pins."""
         with self._lock:
-            self._unpin()
+            placements = self._placements if self._held else ()
+            for placement in placements:
+                placement.pins -= 1
             try:
                 self._room.wait(self._wait_s)
             finally:
-                self._pin()
+                for placement in placements:
+                    placement.pins += 1
 
 
 class Unlocked:
