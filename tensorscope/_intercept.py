@@ -138,7 +138,7 @@ def _install_global_hooks() -> None:
     # torch.frombuffer is the one creator that bypasses the dispatcher (DESIGN.md).
     torch.frombuffer = _frombuffer
     _aliases.install()  # NOTE [aliases user code asks for]
-    _skip_our_frames_in_dynamo()  # the mode's own handler: _modes.py's NOTE
+    _skip_our_frames_in_dynamo()  # (the mode's own handler: by its base class, _modes.py)
     treat_as_plain_for_tracing(TensorRef)
     _fallback.install(python_engine=FAST is None)
     if FAST is not None:
