@@ -185,13 +185,13 @@ def _independent(keywords: Mapping[str, object]) -> bool:
 
 
 @pytest.fixture(autouse=True)
-def _engine_independent_check(
-    request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch
-) -> Iterator[None]:
+def _engine_independent_check(request: pytest.FixtureRequest) -> Iterator[None]:
     """A test marked ``engine_independent`` runs under one engine only: it must not reach one.
 
     Scopes and ``ts.manage()`` reach the engines through ``_intercept.acquire``; refs created
-    outside a scope show in this thread's counters.
+    outside a scope show in this thread's counters. Its own MonkeyPatch, not the test's: the
+    test's is undone only after every autouse fixture's teardown (the residency reset ran with
+    a test's patches still on).
     """
     if not _independent(request.node.keywords):
         yield
@@ -203,10 +203,11 @@ def _engine_independent_check(
         acquired.append(args)
         acquire(*args, **kwargs)  # type: ignore[arg-type]
 
-    monkeypatch.setattr(_intercept, "acquire", counting)
-    before = ts.stats()
-    yield
-    after = ts.stats()
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(_intercept, "acquire", counting)
+        before = ts.stats()
+        yield
+        after = ts.stats()
     refs = (after.created_in_scope - before.created_in_scope) + (
         after.created_outside_scope - before.created_outside_scope
     )

@@ -27,8 +27,9 @@ from typing import Any
 import torch
 
 from tensorscope import _step_hooks
+from tensorscope._modes import skip_in_dynamo
 from tensorscope._torch import graph_task_id
-from tensorscope.plan.mode import recorder_here, skip_in_dynamo
+from tensorscope.plan.mode import recorder_here
 from tensorscope.plan.recorder import Recorder, Watch
 
 __all__ = ["install", "tensors_in", "uninstall"]

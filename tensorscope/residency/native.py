@@ -30,6 +30,7 @@ from typing import Any
 import torch
 
 from tensorscope._engine import FAST
+from tensorscope._layout import FAST_OPS, INFLIGHT, SLOW_OPS, PlacementFields
 from tensorscope.residency import disk
 
 __all__ = ["ENGINE", "arena", "claim", "counters", "drop", "publish", "quiet", "set_policy"]
@@ -103,7 +104,8 @@ def publish(placement: Any, create: bool = True) -> None:
             arena(file)
         else:
             fast = False  # a checkpoint file: its check is Python's
-    ENGINE.res_set(placement.key, placement.uid, fast, on_device, fd, create)
+    fields = PlacementFields(uid=placement.uid, fast=fast, on_device=on_device, fd=fd)
+    ENGINE.res_set(placement.key, fields, create)
 
 
 def drop(placement: Any) -> None:
@@ -137,12 +139,12 @@ def counters() -> tuple[int, int]:
     """(ops run by the fast path, ops handed to Python) so far, on all threads."""
     if ENGINE is None:
         return 0, 0
-    return int(ENGINE.res_counter("fast", 0)), int(ENGINE.res_counter("slow", 0))
+    return int(ENGINE.res_counter(FAST_OPS, 0)), int(ENGINE.res_counter(SLOW_OPS, 0))
 
 
 def in_flight() -> int:
     """Fast ops running now, on all threads."""
-    return 0 if ENGINE is None else int(ENGINE.res_counter("inflight", 0))
+    return 0 if ENGINE is None else int(ENGINE.res_counter(INFLIGHT, 0))
 
 
 if ENGINE is not None:  # the fast path checks arenas' canaries: follow them as they move
