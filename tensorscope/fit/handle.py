@@ -140,7 +140,7 @@ class Fit:
         self._place = ParamPlacement(self.chain)
         self._states = OptimizerStates(atomic)
         self._loss = LossRouting()
-        self._inb = InBackwardUpdates(self._states)
+        self._inb = InBackwardUpdates(self._states, self.chain)
         self._inb.on_late_reader = self._late_reader
         self._chunked = ChunkedLoss()
         self._recorder = StepRecorder()
