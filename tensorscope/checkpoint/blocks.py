@@ -110,12 +110,24 @@ class CheckpointedChain:
         self.offloaded: tuple[int, ...] = ()
         self.placer: Placer | None = None  # where the blocks' parameters are between uses
         self._routes = BlockRoutes(self.blocks, self._call)
+        # NOTE [retiming compiled blocks]: how many graphs were compiled so far (None: no count)
+        self.compiles: Callable[[], int] | None = None
+        self._compiles_at = 0
         self._probes: weakref.WeakSet[BlockProbe] = weakref.WeakSet()  # measuring, not done
         self._marked: tuple[Any, ...] | None = None
 
     @property
     def _forwards(self) -> list[Callable[..., Any]]:
         return self._routes.forwards
+
+    def wrap_forwards(
+        self, wrap: Callable[[int, Callable[..., Any]], Callable[..., Any]] | None
+    ) -> None:
+        """Run ``wrap(k, block k's own forward)`` wherever the chain runs block ``k`` (kept,
+        recomputed, offloaded or plain; ts.fit(compile=True) compiles it); None: the own
+        forwards again. Call it before the first training step: a schedule solved before keeps
+        the forwards it had."""
+        self._routes.wrap(wrap)
 
     @property
     def stages(self) -> tuple[nn.Module, ...]:
@@ -289,6 +301,7 @@ class CheckpointedChain:
         if self._plan is not None and fits:
             if self._retimed:
                 return BlockRun(self._plan, offloader=self.offloader, placer=self.placer)
+            self._compiles_at = self.compiles() if self.compiles is not None else 0
             run = BlockRun(
                 self._plan, on_done=self._retime, offloader=self.offloader, placer=self.placer
             )
@@ -335,6 +348,8 @@ class CheckpointedChain:
         step's, and the chain is solved again, once."""
         if self._retimed or self.profile is None:
             return
+        if self.compiles is not None and self.compiles() != self._compiles_at:
+            return  # NOTE [retiming compiled blocks]: the next run re-times
         self._retimed = True
         self.profile = retimed(self.profile, run.fe_s, run.b_s)
         with contextlib.suppress(ScheduleError):  # same sizes, same limit: it fits

@@ -19,7 +19,8 @@
 # weak references), which Dynamo would trace op by op, guard on and recompile at every step;
 # so the dispatch is compiler-disabled: the traced graph breaks around each block's call and
 # the chain runs as it does in eager mode (compiled code before and after it stays compiled).
-# ts.fit(..., compile=True) compiles each block's own forward inside the chain instead.
+# ts.fit(..., compile=True) compiles each block's own forward inside the chain instead
+# (``wrap``: the chain calls the wrapped forwards; fit/parts/compiled.py).
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ __all__ = ["BlockRoutes", "routed"]
 _MISSING = MISSING
 
 Call = Callable[[int, tuple[Any, ...], dict[str, Any]], Any]
+Wrap = Callable[[int, Callable[..., Any]], Callable[..., Any]]
 
 
 class _Dispatch:
@@ -76,6 +78,8 @@ class BlockRoutes:
         self.call = call
         self.forwards: list[Callable[..., Any]] = [block.forward for block in self.blocks]
         self.attached = False
+        self._own = list(self.forwards)  # the blocks' own forwards, before any wrap
+        self._wrap: Wrap | None = None
         self._saved: list[object] = []
         self._kept_out: list[Attached] = []  # NOTE [copies of a module we attached to]
 
@@ -94,12 +98,23 @@ class BlockRoutes:
                     f"checkpoint_chain; remove() that one first"
                 )
         self._saved = [block.__dict__.get("forward", _MISSING) for block in self.blocks]
-        self.forwards = [block.forward for block in self.blocks]
+        self.forwards = self._wrapped([block.forward for block in self.blocks])
         for k, block in enumerate(self.blocks):
             block.forward = _Dispatch(self.call, k)
             # _copies.py: a copy of the block (deepcopy, pickle) gets its forward as before
             self._kept_out.append(leave_out_of_copies(block, attrs={"forward": self._saved[k]}))
         self.attached = True
+
+    def wrap(self, wrap: Wrap | None) -> None:
+        """Have ``forwards[k]`` be ``wrap(k, block k's own forward)`` (None: the own forward
+        again), now and at every later :meth:`attach`."""
+        self._wrap = wrap
+        self.forwards = self._wrapped(self._own)
+
+    def _wrapped(self, own: list[Callable[..., Any]]) -> list[Callable[..., Any]]:
+        self._own = own
+        wrap = self._wrap
+        return list(own) if wrap is None else [wrap(k, f) for k, f in enumerate(own)]
 
     def detach(self) -> None:
         """Give every block its own ``forward`` back (idempotent)."""

@@ -29,6 +29,7 @@ def fit(
     *,
     blocks: str | None = None,
     atomic: bool = False,
+    compile: bool = False,
 ) -> Fit:
     """Fit ``model``'s training step with ``optimizer`` into ``budget`` bytes; nothing runs yet.
 
@@ -55,6 +56,11 @@ def fit(
             (gradients are kept until ``optimizer.step()``, which runs whole; ``explain()``
             states the cost). Without it an aborted step may leave parameters already updated
             inside backward, and a ``FitWarning`` names them (docs/fit.md, aborted steps).
+        compile: compile what the fit runs with ``torch.compile``: each block's forward inside
+            the chain (a recomputed block reruns its compiled forward) and the model's forward
+            around it (or the user's own compile of the model, either order); the measuring
+            step runs eagerly, the blocks are re-timed compiled. Results are allclose to the
+            plain loop's, not bit-identical; ``explain()`` says so (docs/fit.md).
 
     Returns:
         a :class:`~tensorscope.fit.handle.Fit`: ``explain()``, ``plan_before``,
@@ -62,7 +68,7 @@ def fit(
 
     Raises:
         ArgumentTypeError: not a module, not an optimizer, a budget of the wrong type.
-        ArgumentTypeError: (also) ``atomic`` not a bool.
+        ArgumentTypeError: (also) ``atomic`` or ``compile`` not a bool.
         InvalidArgumentError: an unparsable budget, HF gradient checkpointing already on, or
             the model or the optimizer already fitted.
         ScheduleError: (from ``optimizer.step()`` of the first step, then at every training
@@ -84,7 +90,7 @@ def fit(
     """
     from tensorscope.fit.make import make_fit
 
-    return make_fit(model, optimizer, budget, blocks=blocks, atomic=atomic)
+    return make_fit(model, optimizer, budget, blocks=blocks, atomic=atomic, compiled=compile)
 
 
 def __getattr__(name: str) -> Any:

@@ -46,6 +46,7 @@ from tensorscope.fit.inbackward import parameters_of
 from tensorscope.fit.parts import Decided, Parts, Step
 from tensorscope.fit.parts.chain import ChainExecutor, find_the_chain
 from tensorscope.fit.parts.chunked import ChunkedLoss
+from tensorscope.fit.parts.compiled import CompiledRun
 from tensorscope.fit.parts.inbackward import InBackwardUpdates
 from tensorscope.fit.parts.loss import LossRouting
 from tensorscope.fit.parts.offload import ActivationOffload
@@ -148,6 +149,7 @@ class Fit:
         budget: int,
         blocks: str | None,
         atomic: bool = False,
+        compiled: bool = False,
     ) -> None:
         self.model = model
         self.optimizer = optimizer
@@ -162,6 +164,7 @@ class Fit:
         self._inb.on_late_reader = self._late_reader
         self._chunked = ChunkedLoss()
         self._recorder = StepRecorder()
+        self._compiled = CompiledRun(self.chain, compiled)
         # NOTE [fit as parts]: the order. Attached, decided and started top-down; detached,
         # aborted and forwards ended bottom-up.
         self._parts = Parts(
@@ -169,6 +172,7 @@ class Fit:
                 self._offload,  # the offloader of the chain's blocks' saved tensors
                 self._place,  # the chain's parameters in files between their uses
                 ChainExecutor(self.chain, self._offload, self._place),  # the blocks routed
+                self._compiled,  # compile=True: the blocks' and the model's forwards compiled
                 self._states,  # optimizer state in the next tier between updates
                 self._inb,  # updates inside backward (the store's rows)
                 self._chunked,  # an HF causal LM's head and loss in row chunks, if decided
@@ -308,7 +312,11 @@ class Fit:
                 "gradients existed when a step began (accumulated across optimizer steps, or "
                 "zero_grad(set_to_none=False)): they are the optimizer's input"
             )
-        step.recorded = measured or (self.plan_after is None and self.steps >= self._after_at)
+        step.recorded = measured or (
+            self.plan_after is None
+            and self.steps >= self._after_at
+            and not self._compiled.warming  # NOTE [compile=True]: after a step compiling nothing
+        )
         self._parts.step_start(step)
 
     def _before_step(self, optimizer: torch.optim.Optimizer, frame: FrameType) -> None:
@@ -645,6 +653,7 @@ class Fit:
                 atomic=self.atomic,
                 stepwise=self._states.store is not None and self._states.store.stepwise,
                 freed=self._freed,
+                compile_lines=tuple(self._compiled.lines()),
             )
         )
 

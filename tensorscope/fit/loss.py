@@ -10,6 +10,7 @@ import torch
 from torch.nn import functional
 
 from tensorscope._modes import FunctionMode
+from tensorscope._torch import compiler_disabled
 from tensorscope.errors import InvalidArgumentError
 
 __all__ = ["MIN_LOSS_BYTES", "LossMode", "in_place_cross_entropy"]
@@ -145,9 +146,16 @@ class LossMode(FunctionMode):
     ) -> Any:
         kwargs = kwargs or {}
         if func is functional.cross_entropy:
-            plain = _plain_form(args, kwargs)
-            if plain is not None:
-                self.routed += 1
-                self.shape = tuple(plain[0].shape)
-                return in_place_cross_entropy(*plain)
+            return self._cross_entropy(func, args, kwargs)
+        return func(*args, **kwargs)
+
+    # compiled code (the user's, or ts.fit(compile=True)'s) breaks its graph at the loss, which
+    # is routed as in eager mode: its checks read sizes a traced graph may hold symbolically
+    @compiler_disabled
+    def _cross_entropy(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        plain = _plain_form(args, kwargs)
+        if plain is not None:
+            self.routed += 1
+            self.shape = tuple(plain[0].shape)
+            return in_place_cross_entropy(*plain)
         return func(*args, **kwargs)

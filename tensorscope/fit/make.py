@@ -32,7 +32,13 @@ def _unwrap(optimizer: Any) -> torch.optim.Optimizer:
 
 
 def make_fit(
-    model: Any, optimizer: Any, budget: Any, *, blocks: str | None = None, atomic: bool = False
+    model: Any,
+    optimizer: Any,
+    budget: Any,
+    *,
+    blocks: str | None = None,
+    atomic: bool = False,
+    compiled: Any = False,
 ) -> Fit:
     """:func:`tensorscope.fit` (see its docstring)."""
     if not isinstance(model, nn.Module):
@@ -41,6 +47,8 @@ def make_fit(
     nbytes = parse_bytes(budget, what="budget", subsystem=_SUB)
     if not isinstance(atomic, bool):
         raise ArgumentTypeError(f"{_SUB}: ts.fit(atomic=...) takes a bool; got {atomic!r}")
+    if not isinstance(compiled, bool):
+        raise ArgumentTypeError(f"{_SUB}: ts.fit(compile=...) takes a bool; got {compiled!r}")
     for name, module in model.named_modules():
         if getattr(module, "gradient_checkpointing", False) is True:
             raise InvalidArgumentError(
@@ -48,7 +56,7 @@ def make_fit(
                 f"ts.fit decides recomputation itself. Call model.gradient_checkpointing_disable() "
                 f"first."
             )
-    handle = fitted.claim((model, opt), lambda: Fit(model, opt, nbytes, blocks, atomic))
+    handle = fitted.claim((model, opt), lambda: Fit(model, opt, nbytes, blocks, atomic, compiled))
     _warn_if_the_first_step_cannot_fit(opt, nbytes)
     return handle
 

@@ -45,6 +45,7 @@ class Facts:
     freed: Candidate | None = None  # atomic=True: what ts.fit would choose without it
     chunk_rows: int = 0  # rows per chunk of the chunked LM loss (0: it cannot run)
     chunk_why_not: str = ""  # why the LM loss cannot run in chunks
+    compile_lines: tuple[str, ...] = ()  # compile=True: what is compiled (parts/compiled.py)
 
 
 def _runs(choices: tuple[str, ...]) -> list[str]:
@@ -186,6 +187,7 @@ def explain(f: Facts) -> str:
             f"    loss: cross_entropy over {n} x {v} logits, its gradient written over the saved "
             f"log-probabilities (one buffer of the logits' size less in backward; same bits)"
         )
+    lines += [f"    {line}" for line in f.compile_lines]
     lines.append(
         f"    model state: {f.state_where}: parameters {format_bytes(base.parameter_bytes)}, "
         f"optimizer state {'resident at most ' if base.state_offloaded else ''}"
