@@ -109,6 +109,7 @@ class _Call:
 
 
 TIMED_BEFORE_CHECK = 2  # unrecorded steps under a decision timed before it is checked
+WARMING_STEPS = 3  # compile=True: steps that may compile before one is recorded anyway
 TIME_TOLERANCE = 0.10  # how far from the prediction they may be (NOTE [a prediction ...])
 
 
@@ -315,7 +316,8 @@ class Fit:
         step.recorded = measured or (
             self.plan_after is None
             and self.steps >= self._after_at
-            and not self._compiled.warming  # NOTE [compile=True]: after a step compiling nothing
+            # NOTE [compile=True]: after a step that compiled nothing (or a few that kept on)
+            and (not self._compiled.warming or self.steps >= self._after_at + WARMING_STEPS)
         )
         self._parts.step_start(step)
 

@@ -215,8 +215,9 @@ def explain(f: Facts) -> str:
     lines.append(f"    {_abort_line(f, chosen)}")
     lines.append(
         f"  predicted: peak {format_bytes(chosen.predicted_peak)}, step "
-        f"{chosen.predicted_s:.3f} s (the chain's blocks timed in step 2; the rest of the step "
-        f"timed while step 1 was recorded, which slows small ops)"
+        f"{chosen.predicted_s:.3f} s (the chain's blocks timed in "
+        + ("the first compiled step that compiled nothing" if f.compile_lines else "step 2")
+        + "; the rest of the step timed while step 1 was recorded, which slows small ops)"
     )
     if f.plan_after is not None:
         measured = f"  measured: peak {format_bytes(f.plan_after.peak_bytes)} (a recorded step)"

@@ -66,6 +66,7 @@ def test_compile_takes_a_bool() -> None:
     assert not net._forward_pre_hooks  # nothing attached
 
 
+@pytest.mark.slow
 def test_blocks_run_compiled_recomputed_too_and_stop_compiling(backend: CountingBackend) -> None:
     budget = int(plain_peak("gpt2", "adamw") * 0.6)  # some blocks recomputed
     model = tiny("gpt2")
@@ -190,25 +191,31 @@ def test_a_block_that_breaks_its_graph_runs_the_plan_and_is_said(backend: Counti
         fit.remove()
 
 
-@pytest.mark.parametrize("order", ["compile_then_fit", "fit_then_compile"])
+@pytest.mark.slow
+@pytest.mark.parametrize("order", ["compile_then_fit", "fit_then_compile", "wrapper_fitted"])
 def test_the_users_own_compile_with_compile_true(backend: CountingBackend, order: str) -> None:
     budget = int(plain_peak("gpt2", "adamw") * 0.6)
     model = tiny("gpt2")
     ref = twin(model)
     opt = optimizer("adamw", model)
+    run = model
     if order == "compile_then_fit":
         model.compile(backend=backend)
         fit = ts.fit(model, opt, budget=budget, compile=True)
-    else:
+    elif order == "fit_then_compile":
         fit = ts.fit(model, opt, budget=budget, compile=True)
         model.compile(backend=backend)
+    else:  # torch.compile's wrapper given to ts.fit
+        run = torch.compile(model, backend=backend)  # type: ignore[assignment]
+        fit = ts.fit(run, opt, budget=budget, compile=True)
     graphs: list[int] = []
     try:
-        close(train(model, opt, ref, "gpt2", 6, lambda k: graphs.append(backend.graphs)))
+        close(train(run, opt, ref, "gpt2", 6, lambda k: graphs.append(backend.graphs)))
         assert graphs[-1] == graphs[-3], graphs  # settled
         assert backend.block_calls > 0  # the blocks ran compiled
         said = "compiled by its user" in fit.explain()
-        assert said == (order == "compile_then_fit")
+        assert said == (order != "fit_then_compile")
+        assert fit.decision is not None and "recompute" in fit.decision.blocks
     finally:
         fit.remove()
     assert "forward" not in model.__dict__

@@ -94,15 +94,14 @@ class _Compiled:
         part = self.part
         if part.eager or torch.compiler.is_compiling():
             return self.fn(*args, **kwargs)
-        if not self.block:
+        if not self.block or part.settled:
             return self.compiled(*args, **kwargs)
         graphs, breaks = graphs_compiled(), _breaks()
         try:
             return self.compiled(*args, **kwargs)
-        finally:
-            if graphs_compiled() != graphs:  # this call compiled: what broke its graph
-                part.block_graphs += graphs_compiled() - graphs
-                part.block_breaks.update(_breaks() - breaks)
+        finally:  # while the blocks compile: what broke their graphs
+            part.block_graphs += graphs_compiled() - graphs
+            part.block_breaks.update(_breaks() - breaks)
 
 
 class CompiledRun(Part):
@@ -123,6 +122,7 @@ class CompiledRun(Part):
         self.enabled = enabled
         self.eager = True
         self.warming = False
+        self.settled = False  # a step under a decision compiled nothing: breaks are known
         self.user_compiled = False
         self.block_graphs = 0
         self.block_breaks: Counter[str] = Counter()
@@ -167,6 +167,7 @@ class CompiledRun(Part):
     def step_end(self, step: Step | None) -> None:
         if step is not None and self.enabled:
             self.warming = graphs_compiled() != self._at_start
+            self.settled = self.settled or not (step.measured or self.warming)
 
     def abort(self, step: Step) -> list[torch.Tensor]:
         self.warming = True  # what it compiled is not known to be all
@@ -192,13 +193,20 @@ class CompiledRun(Part):
                 else ""
             )
             + around,
-            "step 1 ran eagerly (recorded); the chain's blocks re-timed compiled; results "
-            "allclose to the plain loop's, not bit-identical (compiled kernels fuse and "
-            "reorder)",
+            (
+                "step 1 ran the blocks eagerly (recorded; the user's compile compiled in it)"
+                if self.user_compiled
+                else "step 1 ran eagerly (recorded)"
+            )
+            + ("; the chain's blocks re-timed compiled" if self.chain is not None else "")
+            + "; results allclose to the plain loop's, not bit-identical (compiled kernels "
+            "fuse and reorder)",
         ]
         if self.block_breaks:
             n = sum(self.block_breaks.values())
-            reasons = "; ".join(sorted(self.block_breaks)[:3])
+            reasons = "; ".join(
+                sorted({(r.splitlines() or [""])[0][:100] for r in self.block_breaks})[:3]
+            )
             out.append(
                 f"a block's forward does not compile whole: {n} graph break(s) ({reasons}); "
                 f"the pieces between them run compiled, the rest eagerly; the plan is as "
