@@ -135,6 +135,7 @@ def train(
     return losses
 
 
+@pytest.mark.slow
 def test_a_new_sequence_length_compiles_once_and_is_decided_again(
     backend: CountingBackend,
 ) -> None:
