@@ -24,8 +24,8 @@ own forward inside the chain, and the model's forward around it.
 # a larger batch than the measured one is measured and decided again (phase.py).
 #
 # Which steps run compiled. The measuring step (step 1, recorded) runs eagerly: the recording
-# must see every op to count the step's memory (a compiled graph is one op to it, its saved
-# tensors unseen), and its wall time must not hold the compile. Its memory is the eager
+# must see every op to count the step's memory (a compiled graph is one op to it, the
+# temporaries inside unseen), and its wall time must not hold the compile. Its memory is the eager
 # step's, which on the CPU is at least the compiled one (inductor's partitioner saves a
 # min-cut of the forward for backward, and fuses temporaries away). The steps after the
 # decision run compiled: the first ones compile (each graph once); the chain re-times its
