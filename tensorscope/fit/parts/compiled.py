@@ -26,9 +26,9 @@ own forward inside the chain, and the model's forward around it.
 # Which steps run compiled. The measuring step (step 1, recorded) runs eagerly: the recording
 # must see every op to count the step's memory (a compiled graph is one op to it, the
 # temporaries inside unseen), and its wall time must not hold the compile. Its memory is the eager
-# step's, which on the CPU is at least the compiled one (inductor's partitioner saves a
-# min-cut of the forward for backward, and fuses temporaries away). The steps after the
-# decision run compiled: the first ones compile (each graph once); the chain re-times its
+# step's, expected to be at least the compiled one's (inductor's partitioner saves a min-cut
+# of the forward for backward and fuses temporaries away; not measured op by op). The steps
+# after the decision run compiled: the first ones compile (each graph once); the chain re-times its
 # blocks in the first run that compiled nothing (NOTE [retiming compiled blocks],
 # checkpoint/blocks.py), so the decision's block times are compiled times; the step after
 # that is recorded (plan_after, the budget checked against it); the two after are timed and
