@@ -43,6 +43,7 @@ from tensorscope.fit.decide import Candidate, Decision
 from tensorscope.fit.decider import Decider
 from tensorscope.fit.inbackward import parameters_of
 from tensorscope.fit.parts import Decided, Parts, Step
+from tensorscope.fit.parts.across import AcrossRanks
 from tensorscope.fit.parts.chain import ChainExecutor, find_the_chain
 from tensorscope.fit.parts.inbackward import InBackwardUpdates
 from tensorscope.fit.parts.loss import LossRouting
@@ -51,6 +52,7 @@ from tensorscope.fit.parts.place import ParamPlacement
 from tensorscope.fit.parts.record import StepRecorder
 from tensorscope.fit.parts.states import OptimizerStates
 from tensorscope.fit.phase import Event, Phase, advance
+from tensorscope.fit.ranks import Ranks
 from tensorscope.fit.report import Facts, explain
 from tensorscope.fit.where import offload_why_not, state_where
 from tensorscope.plan.model import MemoryPlan
@@ -128,6 +130,7 @@ class Fit:
         budget: int,
         blocks: str | None,
         atomic: bool = False,
+        ranks: Ranks | None = None,
     ) -> None:
         self.model = model
         self.optimizer = optimizer
@@ -139,13 +142,15 @@ class Fit:
         self._states = OptimizerStates(atomic)
         self._loss = LossRouting()
         self._recorder = StepRecorder()
+        self._across = AcrossRanks(self.chain, self._states, self._place, ranks)
         # NOTE [fit as parts]: the order. Attached, decided and started top-down; detached,
         # aborted and forwards ended bottom-up.
         self._parts = Parts(
             [
+                self._across,  # the ranks' agreement; FSDP2's sharded blocks (NOTE [a fit ...])
                 self._offload,  # the offloader of the chain's blocks' saved tensors
                 self._place,  # the chain's parameters in files between their uses
-                ChainExecutor(self.chain, self._offload, self._place),  # the blocks routed
+                ChainExecutor(self.chain, self._offload, self._place, self._across),
                 self._states,  # optimizer state in the next tier between updates
                 InBackwardUpdates(self._states),  # updates inside backward (the store's rows)
                 self._loss,  # a large F.cross_entropy with its gradient in place
@@ -155,6 +160,7 @@ class Fit:
         self._decider = Decider(
             model, optimizer, budget, self.chain, self._offload, self._place, self._states, atomic
         )
+        self._decider.across = self._across
         self.optimizer_note = self._decider.optimizer_note
         self.plan_before: MemoryPlan | None = None
         self.plan_after: MemoryPlan | None = None
@@ -190,6 +196,12 @@ class Fit:
         # a model dropped without remove(): its hooks go with it, and so do these
         assert self._recorder.hooks is not None  # attached
         self._finalizer = weakref.finalize(self, _release, (*steps, self._recorder.hooks))
+
+    def _agreed_budget(self, budgets: list[int]) -> None:
+        """Every rank's budget, given to ts.fit: each decides under the smallest
+        (NOTE [one decision across ranks])."""
+        self.budget_bytes = self._decider.budget = min(budgets)
+        self._across.budgets = tuple(budgets)
 
     @property
     def removed(self) -> bool:
@@ -228,7 +240,17 @@ class Fit:
             raise ScheduleError(str(self._error))
         _OPEN.abort_dead(but=self)  # another fit's dead step must not record this one's ops
         if self._step is None:
-            self._begin(_input_nbytes(args, kwargs))
+            grads = any(p.grad is not None for p in parameters_of(self.optimizer))
+            # NOTE [a fit across ranks]: each step begins on every rank together
+            begun = self._across.begin(_input_nbytes(args, kwargs), grads)
+            if begun.departed:  # NOTE [a rank that removes its fit]: this step runs plain
+                self._depart()
+                return
+            if begun.again and self.plan_before is not None and self.decision is not None:
+                self.notes.append(f"step {self.steps + 1}: {begun.again}; decided again without")
+                self.decision, self._decided = None, None
+                self._apply(self.plan_before, not self.grads_kept_because)
+            self._begin(begun.batch_nbytes, begun.grads)
         step = self._step
         assert step is not None  # _begin made it, or raised
         step.forwards += 1
@@ -254,8 +276,7 @@ class Fit:
         elif not torch.compiler.is_compiling():
             watch_backward(step, output)
 
-    def _begin(self, batch_nbytes: int) -> None:
-        grads = any(p.grad is not None for p in parameters_of(self.optimizer))
+    def _begin(self, batch_nbytes: int, grads: bool) -> None:
         grown = self._phase is Phase.DECIDED and batch_nbytes > self._batch_nbytes
         self._phase = advance(self._phase, Event.REMEASURE if grown else Event.BEGIN)
         measured = self._phase.measuring
@@ -304,10 +325,13 @@ class Fit:
             self._batch_nbytes = max(self._batch_nbytes, step.batch_nbytes)
         if self._states.failed_write() and self.plan_before is not None:
             # NOTE [a full disk] (statestore.py): the state stayed in memory this step
-            self.notes.append(f"step {self.steps}: {self._states.off}; decided again without")
-            self.decision, self._decided = None, None
-            self._apply(self.plan_before, not self.grads_kept_because)
-            return
+            if self._across.active:  # every rank decides again, at the next step's start
+                self._across.want_again(self._states.off)
+            else:
+                self.notes.append(f"step {self.steps}: {self._states.off}; decided again without")
+                self.decision, self._decided = None, None
+                self._apply(self.plan_before, not self.grads_kept_because)
+                return
         plan = self._recorder.plan
         if step.measured and plan is not None:
             self.plan_before = plan
@@ -383,8 +407,9 @@ class Fit:
     def _apply(self, plan: MemoryPlan, free_gradients: bool) -> None:
         try:
             decided = self._decider.decide(plan, free_gradients)
-            while not self._parts.decide(decided):  # a part could not apply it (it says
-                decided = self._decider.decide(plan, free_gradients)  # why): again without
+            # a part could not apply it (it says why): again without, on every rank
+            while not self._across.all_applied(self._parts.decide(decided)):
+                decided = self._decider.decide(plan, free_gradients)
         except ScheduleError as exc:
             self._error = exc
             self._phase = advance(self._phase, Event.FAIL)
@@ -427,8 +452,11 @@ class Fit:
                     FitWarning,
                     stacklevel=3,
                 )
-                self._apply(self.plan_before, self._frees())
-                return
+                if not self._across.active:
+                    self._apply(self.plan_before, self._frees())
+                    return
+                # every rank decides again at the next step's start; the check agrees now
+                self._across.want_again(self._offload.off)
         self._check(plan)
 
     def _frees(self) -> bool:
@@ -440,7 +468,7 @@ class Fit:
     def _check(self, plan: MemoryPlan) -> None:
         # with blocks offloaded, what the offloader held read back ahead of use counts too
         # (the recording sees such a tensor from its use on): measured_peak adds it op by op
-        excess = self.measured_peak(plan) - self.budget_bytes
+        excess = self._across.most_excess(self.measured_peak(plan) - self.budget_bytes)
         if excess <= 0 or self.plan_before is None:
             return
         decider = self._decider
@@ -523,8 +551,21 @@ class Fit:
                 atomic=self.atomic,
                 stepwise=self._states.store is not None and self._states.store.stepwise,
                 freed=self._freed,
+                across=tuple(self._across.lines()),
             )
         )
+
+    def _depart(self) -> None:
+        """Another rank removed its fit (NOTE [a rank that removes its fit]): so does this."""
+        self._across.departed = True
+        warnings.warn(
+            f"{_SUB}: another rank removed its fit; this rank's fit of "
+            f"{type(self.model).__name__} is removed too (every rank runs the same steps), and "
+            f"the model trains without it from this step on",
+            FitWarning,
+            stacklevel=4,
+        )
+        self.remove()
 
     def remove(self) -> None:
         """Give the model and optimizer back exactly as they were (their current values):
@@ -543,6 +584,7 @@ class Fit:
         self._abort_if_dead()
         self._abort(None)  # a step in progress is dropped
         self._phase = advance(self._phase, Event.REMOVE)
+        self._across.depart(self.model)  # NOTE [a rank that removes its fit]
         while self._handles:
             self._handles.pop().remove()
         try:

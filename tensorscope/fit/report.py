@@ -43,6 +43,7 @@ class Facts:
     atomic: bool = False  # ts.fit(..., atomic=True)
     stepwise: bool = False  # a kept-gradient step runs one parameter at a time
     freed: Candidate | None = None  # atomic=True: what ts.fit would choose without it
+    across: tuple[str, ...] = ()  # the ranks and their agreement (fit/parts/across.py)
 
 
 def _runs(choices: tuple[str, ...]) -> list[str]:
@@ -129,6 +130,7 @@ def explain(f: Facts) -> str:
         f"({f.budget_bytes} bytes)" + (" [removed]" if f.removed else "")
     )
     lines = [head]
+    lines += [f"  {line}" for line in f.across]
     if f.error is not None:
         lines.append(f"  no plan: {f.error}")
     if f.plan_before is None:

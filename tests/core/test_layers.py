@@ -29,8 +29,8 @@ LAYERS: list[tuple[str, ...]] = [
     ("_units", "policies", "graph"),  # pure Python: no torch plumbing
     ("_engine",),  # the C++ scope engine, when built
     # typed doors to torch internals; creation sites; our global optimizer-step hooks
-    # what copies of a module leave out (hooks and attributes of ours)
-    ("_torch", "_sites", "_step_hooks", "_copies"),
+    # what copies of a module leave out (hooks and attributes of ours); doors to FSDP2/DDP
+    ("_torch", "_sites", "_step_hooks", "_copies", "_sharded"),
     ("_state", "_slot"),  # ref records and the owner contract; the residency slot
     ("_thread",),  # per-thread state
     ("_plain", "_reach"),  # plain-tensor protocols of refs; tensors reachable from a value
