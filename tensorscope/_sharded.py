@@ -18,7 +18,7 @@ the user imported them (``sys.modules``): a process that never shards pays nothi
 from __future__ import annotations
 
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -32,6 +32,8 @@ __all__ = [
     "is_ddp",
     "is_fsdp2",
     "local_tensor",
+    "rebuilder",
+    "replicated_too",
     "reshard",
     "shard_storages",
     "sharded_parameters",
@@ -58,6 +60,25 @@ def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
     """This rank's local tensor of a ``DTensor``; any other tensor as it is."""
     local = getattr(tensor, "_local_tensor", None)
     return local if isinstance(local, torch.Tensor) else tensor
+
+
+def rebuilder(tensor: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor] | None:
+    """For a ``DTensor``: a function making a ``DTensor`` like it from a local tensor like its
+    own (FSDP2's optimizer state read back from the next tier); None for any other tensor."""
+    cls = dtensor_class()
+    if cls is None or not isinstance(tensor, cls):
+        return None
+    spec: Any = tensor._spec  # type: ignore[attr-defined]
+    mesh, placements = spec.mesh, spec.placements
+    shape, stride = tuple(tensor.shape), tuple(tensor.stride())
+
+    def rebuild(local: torch.Tensor) -> torch.Tensor:
+        made: torch.Tensor = cls.from_local(  # type: ignore[attr-defined]
+            local, mesh, placements, run_check=False, shape=shape, stride=stride
+        )
+        return made
+
+    return rebuild
 
 
 def is_fsdp2(module: nn.Module) -> bool:
@@ -101,6 +122,12 @@ def sharded_parameters(root: nn.Module) -> list[torch.Tensor]:
     """The sharded parameters (``DTensor``s) of the FSDP2 modules under ``root``: what the
     optimizer must hold."""
     return [param.sharded_param for m in fsdp2_modules(root) for param in _params(m)]
+
+
+def replicated_too(root: nn.Module) -> bool:
+    """Whether an FSDP2 group under ``root`` also replicates (HSDP: a 2-D mesh, gradients
+    all-reduced across replicas after the reduce-scatter)."""
+    return any(bool(group._is_hsdp) for m in fsdp2_modules(root) for group in _groups(m))
 
 
 def unsharded(module: nn.Module) -> bool:

@@ -7,8 +7,10 @@ each rank saw:
   ``unsharded_parameter``, ``reduce_scatter``, and its peak is within 5% of torch's own
   ``FSDPMemTracker`` on the same step;
 - ts.fit at the least budget that fits (read from the ScheduleError of a smaller one) recomputes
-  blocks outside their own backward -- the chain gathers their parameters itself -- and trains
-  bit-identically to plain FSDP2, on both ranks one schedule;
+  blocks outside their own backward -- the chain gathers their parameters itself --, updates
+  each parameter inside backward on its reduced shard's gradient and keeps the sharded
+  optimizer state in the disk tier, and trains bit-identically to plain FSDP2 (losses, weights,
+  optimizer state), on both ranks one schedule; with clipping the same with gradients kept;
 - different budgets on the ranks are agreed to the smallest; a tensorscope error on one rank
   (a bad budget) is raised by ``ts.fit`` on every rank, the same error; a ScheduleError too;
 - ``fully_shard`` after ts.fit, a process group destroyed while a fit is attached: clear errors,
@@ -82,9 +84,13 @@ def _batch(rank: int, step: int) -> torch.Tensor:
     return torch.randn(BATCH, 8, generator=torch.Generator().manual_seed(100 * rank + step))
 
 
-def _step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, x: torch.Tensor) -> float:
+def _step(
+    model: torch.nn.Module, optimizer: torch.optim.Optimizer, x: torch.Tensor, clip: bool = False
+) -> float:
     loss = model(x).pow(2).mean()
     loss.backward()
+    if clip:  # a read of every gradient: they are kept until optimizer.step()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
     optimizer.step()
     optimizer.zero_grad()
     return float(loss.item())
@@ -119,20 +125,34 @@ def _plan_against_tracker(rank: int) -> dict[str, Any]:
     return {"plan": plan.peak_bytes, "tracker": peak, "at_peak": dict(plan.at_peak)}
 
 
-def _plain(rank: int) -> tuple[list[float], list[list[float]]]:
+def _state(optimizer: torch.optim.Optimizer) -> list[list[float]]:
+    """The optimizer's state, whole (``state_dict()`` reads back what is in the next tier)."""
+    out = []
+    for values in optimizer.state_dict()["state"].values():
+        for key in sorted(values):
+            value = values[key]
+            full = value.full_tensor() if hasattr(value, "full_tensor") else value
+            out.append(full.detach().flatten().tolist())
+    return out
+
+
+def _plain(rank: int, clip: bool = False) -> dict[str, Any]:
     model, optimizer = _sharded()
-    losses = [_step(model, optimizer, _batch(rank, s)) for s in range(STEPS)]
-    return losses, _weights(model)
+    losses = [_step(model, optimizer, _batch(rank, s), clip) for s in range(STEPS)]
+    return {"losses": losses, "weights": _weights(model), "state": _state(optimizer)}
 
 
-def _fitted(rank: int, budget: int) -> dict[str, Any]:
+def _fitted(rank: int, budget: int, clip: bool = False) -> dict[str, Any]:
     model, optimizer = _sharded()
     fit = ts.fit(model, optimizer, budget=budget)
-    losses = [_step(model, optimizer, _batch(rank, s)) for s in range(STEPS)]
+    losses = [_step(model, optimizer, _batch(rank, s), clip) for s in range(STEPS)]
     assert fit.decision is not None
     out = {
         "losses": losses,
         "weights": _weights(model),
+        "state": _state(optimizer),
+        "free": fit.decision.free_gradients,
+        "state_moved": fit.decision.chosen.base.state_offloaded,
         "blocks": fit.decision.blocks,
         "gathers": fit._across.regather.gathers if fit._across.regather else 0,
         "explain": fit.explain(),
@@ -197,10 +217,12 @@ def _worker(rank: int, port: int, results: Any) -> None:
     dist.init_process_group("gloo", rank=rank, world_size=2)
     try:
         out: dict[str, Any] = {"tracker": _plan_against_tracker(rank), "plain": _plain(rank)}
+        out["plain_clip"] = _plain(rank, clip=True)
         out["bad"] = _error(lambda: ts.fit(*_sharded(), budget=["64MiB", "12 parsecs"][rank]))
         small = out["small"] = _too_small(rank)
         least = int(re.search(r"fits is [^(]*\((\d+) bytes\)", small["message"]).group(1))  # type: ignore[union-attr]
         out["fit"] = _fitted(rank, int(least * 1.02))
+        out["fit_clip"] = _fitted(rank, int(least * 1.15), clip=True)
         out["order"] = _sharded_after_fit(rank)
         out["remove"] = _one_rank_removes(rank)
         out["destroyed"] = _group_destroyed(rank)
@@ -233,16 +255,22 @@ def test_fit_and_record_under_fsdp2() -> None:
         assert small["kind"] == "ScheduleError" and small["again"][0] == "ScheduleError"
         assert "different budgets" in small["explain"], small["explain"]
     assert one["small"]["message"] == two["small"]["message"]
-    # at the least budget: one schedule, blocks recomputed outside their own backward, and
-    # the plain run's losses and weights, bit for bit
+    # at the least budget: one schedule, blocks recomputed outside their own backward, each
+    # update inside backward on the reduced shard's gradient, the sharded state in the disk
+    # tier between updates -- and the plain run's losses, weights and state, bit for bit
     assert one["fit"]["blocks"] == two["fit"]["blocks"]
     assert "recompute" in one["fit"]["blocks"]
     for rank, out in enumerate((one, two)):
         fit, plain = out["fit"], out["plain"]
-        assert fit["gathers"] > 0, fit["explain"]
-        assert fit["losses"] == plain[0], f"rank {rank}: losses differ"
-        assert fit["weights"] == plain[1], f"rank {rank}: weights differ"
+        assert fit["gathers"] > 0 and fit["free"] and fit["state_moved"], fit["explain"]
+        assert fit["losses"] == plain["losses"], f"rank {rank}: losses differ"
+        assert fit["weights"] == plain["weights"], f"rank {rank}: weights differ"
+        assert fit["state"] == plain["state"], f"rank {rank}: optimizer state differs"
         assert "rank" in fit["explain"] and "FSDP2" in fit["explain"]
+        # clipping reads every gradient: kept, the step run one parameter at a time
+        clipped, plain = out["fit_clip"], out["plain_clip"]
+        assert not clipped["free"] and clipped["state_moved"], clipped["explain"]
+        assert clipped["losses"] == plain["losses"] and clipped["weights"] == plain["weights"]
     # fully_shard after ts.fit: the order named, on both ranks
     for out in (one, two):
         assert out["order"][0] == "InvalidArgumentError" and "order" in out["order"][1]

@@ -16,9 +16,11 @@ NOTE [errors across ranks], fit/ranks.py).
 #   block's FSDP2 pre-forward (its all-gather), measured by two hooks around it, is added to
 #   the block's forward time, and one block's gathered parameters to what the step holds
 #   outside the chain;
-# - what is not built yet stays off, said in explain(): the optimizer state of FSDP2's sharded
-#   parameters (DTensors) stays on the device, the chain's parameters are not placed in files
-#   under FSDP2 or DDP (both own their parameters' storages).
+# - optimizer-in-backward under FSDP2: FSDP2 calls a sharded parameter's post-accumulate-grad
+#   hooks after its reduce-scatter, so the update runs on the reduced shard's gradient (not
+#   under HSDP, whose all-reduce comes after); under DDP gradients are kept;
+# - what is not built stays off, said in explain(): the chain's parameters are not placed in
+#   files under FSDP2 or DDP (both own their parameters' storages).
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from tensorscope._sharded import fsdp2_modules, is_ddp, sharded_parameters
+from tensorscope._sharded import fsdp2_modules, is_ddp, replicated_too, sharded_parameters
 from tensorscope._units import format_bytes
 from tensorscope.errors import InvalidArgumentError
 from tensorscope.fit.agree import budget_note, common_bases, reasons_of, slowest
@@ -155,11 +157,6 @@ class AcrossRanks(Part):
         if self.ranks is not None or sharded:
             self._place.off = "the model's parameters belong to " + (
                 "FSDP2 (sharded)" if sharded else "the distributed engine"
-            )
-        if sharded:
-            self._states.kept = (
-                "FSDP2's sharded optimizer state (DTensors) stays on the device: moving it is "
-                "not built yet"
             )
         chain = self.chain
         if chain is not None and sharded:
@@ -295,9 +292,10 @@ class AcrossRanks(Part):
                 f"accumulates all of a bucket, so an update at accumulation would use this "
                 f"rank's gradient alone"
             )
-        if self.engine == "FSDP2":
+        if self.engine == "FSDP2" and self._model is not None and replicated_too(self._model):
             own.append(
-                "FSDP2: optimizer-in-backward on the reduced shard's gradient is not built yet"
+                "FSDP2 with a replicated dimension (HSDP): the shard's gradient is all-reduced "
+                "across replicas after FSDP2 calls the update hooks"
             )
         if ranks is None:
             return own

@@ -28,14 +28,12 @@ class OptimizerStates(Part):
             blocks]) under the decision in force.
         atomic: ``ts.fit(..., atomic=True)``: no kept-gradient step is run one parameter at a
             time (it updates parameters inside the optimizer's pre-hook: NOTE [an aborted step]).
-        kept: why the state stays on the device whatever the budget (``""``: it may move).
     """
 
     def __init__(self, atomic: bool = False) -> None:
         self.store: StateStore | None = None
         self.in_rows = False
         self.atomic = atomic
-        self.kept = ""
         self._optimizer: torch.optim.Optimizer | None = None
         self._bandwidth: Bandwidth | None = None
 
@@ -82,10 +80,7 @@ class OptimizerStates(Part):
 
     def bandwidth(self) -> Bandwidth | None:
         """The store's measured bandwidth below the parameters' device (once); None when the
-        tier cannot be written (statestore.py NOTE [a full disk]) or the state stays
-        (``kept``)."""
-        if self.kept:
-            return None
+        tier cannot be written (statestore.py NOTE [a full disk])."""
         store = self.get()
         if self._bandwidth is None and not store.off:
             params = parameters_of(self._optimizer) if self._optimizer is not None else []
