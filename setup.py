@@ -14,7 +14,11 @@ else:
     extensions = [
         CppExtension(
             "tensorscope._fast",
-            ["tensorscope/csrc/fast.cpp", "tensorscope/csrc/managed.cpp"],
+            [
+                "tensorscope/csrc/fast.cpp",
+                "tensorscope/csrc/managed.cpp",
+                "tensorscope/csrc/optable.cpp",
+            ],
             extra_compile_args=["-O2"],
             optional=True,
         ),

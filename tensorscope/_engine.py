@@ -10,13 +10,20 @@ same two engines (docs/design.md §14): with the C++ one, a second fallback (csr
 the Fake key) runs ops whose managed operands are resident natively and hands the others to the
 Python dispatch mode (``_intercept.Interceptor``), which the Python engine runs around every op.
 
-Layer 2: imports only torch (and the C++ extension of layer 0).
+The engine reads and writes Python objects by a layout declared once (``_layout.py``); an
+extension whose compiled-in layout differs (built from other sources) is refused at import with
+an ``ImportError`` that says how to rebuild it: it cannot be set aside for the Python engine
+then, its kernels being registered with torch the moment it is imported.
+
+Layer 2: imports only torch (and the C++ extension of layer 0, the layout of layer 1).
 """
 
 from __future__ import annotations
 
 import os
 from typing import Any
+
+from tensorscope._layout import LAYOUT
 
 __all__ = ["FAST", "engine_name"]
 
@@ -30,7 +37,16 @@ def _load() -> Any:
         from tensorscope import _fast  # type: ignore[attr-defined, unused-ignore]
     except ImportError:
         return None
-    return _fast
+    engine: Any = _fast
+    compiled = engine.layout() if hasattr(engine, "layout") else None
+    if compiled != LAYOUT:
+        raise ImportError(
+            f"tensorscope: the C++ engine {engine.__file__} was built from other sources than "
+            "this tensorscope (its layout differs from tensorscope/_layout.py's). Rebuild it "
+            "(`pip install -e .`, or `python setup.py build_ext --inplace` in a checkout), or "
+            "run the Python engine: TENSORSCOPE_ENGINE=python."
+        )
+    return engine
 
 
 FAST: Any = _load()

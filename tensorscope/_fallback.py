@@ -34,6 +34,7 @@ from typing import Any
 import torch
 
 from tensorscope._adopt import adopt_fresh
+from tensorscope._optable import BARE_ALIAS, FRESH_INPUT, NAMED, TABLE, op_info
 from tensorscope._sites import capture_site
 from tensorscope._torch import SCOPE_KEY, tracing
 
@@ -46,7 +47,6 @@ _exclude = _C._ExcludeDispatchKeyGuard
 _functorch_depth = _C._functorch.get_dynamic_layer_stack_depth
 _functorch_wrapped = _C._functorch.is_functorch_wrapped_tensor
 _functional: Any = torch._is_functional_tensor
-_LIFT_FRESH: Any = torch.ops.aten.lift_fresh.default
 _library: list[Any] = []
 
 
@@ -76,7 +76,8 @@ def _fresh(out: object, args: tuple[Any, ...], kwargs: dict[str, Any], op: Any) 
                 outputs.append(item)
     else:
         return []
-    if outputs and op is not _LIFT_FRESH:  # torch.tensor(): its new input is its result
+    # torch.tensor(data) hands its own new tensor to lift_fresh, which returns it
+    if outputs and not (TABLE.get(id(op)) or op_info(op)).flags & FRESH_INPUT:
         outputs = [t for t in outputs if not _is_input(t, args, kwargs)]
     if outputs and _functorch_depth() > 0:
         outputs = [t for t in outputs if not (_functorch_wrapped(t) or _functional(t))]
@@ -113,7 +114,8 @@ def _kernel_for(name: str) -> Any:
     return kernel
 
 
-_FALLTHROUGH = frozenset({"aten::detach", "aten::alias"})
+# detach and alias (the op table's bare aliases: _adopt.py's NOTE)
+_FALLTHROUGH = frozenset(name for name, flags in NAMED.items() if flags & BARE_ALIAS)
 _unregistered: set[Any] = set()
 _libraries: dict[str, Any] = {}
 

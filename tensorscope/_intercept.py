@@ -10,11 +10,12 @@
 # (csrc/managed.cpp, residency/native.py, docs/design.md §14).
 #
 # NOTE [hot path]
-# Every op pays for this handler, so it does the least it can: one dict lookup classifies the op
-# (cached per OpOverload from its schema), and ``func._op`` skips OpOverload's Python
-# ``__call__``. ``_should_skip_dynamo`` returns False so torch does not wrap
-# ``__torch_dispatch__`` in a dynamo-disabling shim (that shim imports torch._dynamo and costs
-# ~1 µs per op); dynamo is told to skip our code objects instead (``_skip_our_frames_in_dynamo``).
+# Every op pays for this handler, so it does the least it can: one dict lookup finds the op's
+# kind (the op table, _optable.py, keyed by id: an OpOverload's hash is Python code), and
+# ``func._op`` skips OpOverload's Python ``__call__``. How the mode meets torch.compile (no
+# dynamo-disabling shim; our frames skipped instead) is the base class's (_modes.py's NOTE).
+
+Layer 11: imports only layers 0-10.
 """
 
 from __future__ import annotations
@@ -23,11 +24,21 @@ import functools
 from typing import Any
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from tensorscope import _aliases, _compiled, _fallback, _keepers, _optimizer
 from tensorscope._adopt import accumulate_grad_leaf, adopt, adopt_at, adopt_fresh, adopt_result
 from tensorscope._engine import FAST
+from tensorscope._layout import SCOPES
+from tensorscope._modes import DispatchMode, skip_in_dynamo
+from tensorscope._optable import (
+    ALIAS,
+    DETACH,
+    ENTER,
+    GRAD_CANDIDATE,
+    PLAIN,
+    TABLE,
+    op_info,
+)
 from tensorscope._sites import capture_site, site_verdicts
 from tensorscope._slot import ACTIVE
 from tensorscope._state import STATES, Counters, Owner, RefState, on_ref_death, register_ref
@@ -42,8 +53,6 @@ from tensorscope._torch import ORIGINAL_FROMBUFFER, graph_task_id, treat_as_plai
 from tensorscope.ref import TensorRef, release_pending, stock_stand_ins, unown_buffer
 
 __all__ = [
-    "GRAD_CANDIDATE",
-    "MUTATING",
     "Interceptor",
     "accumulate_grad_leaf",
     "acquire",
@@ -51,54 +60,17 @@ __all__ = [
     "settle",
 ]
 
-PLAIN, MUTATING, GRAD_CANDIDATE, ALIAS, RECORD_ENTER, RECORD_EXIT = 0, 1, 2, 3, 5, 6
-_KINDS: dict[Any, int] = {}
-_GRAD_MAKERS = {
-    "aten::detach",
-    "aten::clone",
-    "aten::add",
-    "aten::empty_strided",
-    "aten::new_empty_strided",
-}
-
-
+# NOTE [bare aliases]
 # ``detach`` and ``alias`` outside autograd's engine run unseen (no bytes read, none made):
 # torch's C functions make ``nn.Parameter``s (``_make_subclass``) and subclasses from such
 # aliases with the mode stack stashed, so the mode never saw them there; the C++ op path, a
 # dispatch key that no stash hides, passes them through likewise (csrc/managed.cpp). Inside
-# autograd's engine ``detach`` may be a ``.grad`` in the making (``GRAD_CANDIDATE``).
-_ALIASES = {"aten::detach", "aten::alias"}
+# autograd's engine ``detach`` may be a ``.grad`` in the making (``GRAD_CANDIDATE``): the op
+# table's kinds ``ALIAS`` and ``DETACH``.
 
 
-def _classify(func: Any) -> int:
-    schema = func._schema
-    kind = PLAIN
-    if any(r.alias_info is not None and r.alias_info.is_write for r in schema.returns):
-        kind = MUTATING
-    elif schema.name in _ALIASES:
-        kind = ALIAS
-    elif schema.name in _GRAD_MAKERS:
-        kind = GRAD_CANDIDATE
-    elif schema.name == "profiler::_record_function_enter_new":
-        kind = RECORD_ENTER
-    elif schema.name == "profiler::_record_function_exit":
-        kind = RECORD_EXIT
-    _KINDS[func] = kind
-    return kind
-
-
-class Interceptor(TorchDispatchMode):  # type: ignore[no-untyped-call]
+class Interceptor(DispatchMode):
     """Routes a thread's ops through the residency manager; one instance per thread."""
-
-    @classmethod
-    def _should_skip_dynamo(cls) -> bool:
-        return False
-
-    @classmethod
-    def ignore_compile_internals(cls) -> bool:
-        # torch.compile then compiles user code with this mode on the stack (off while it
-        # compiles, on while the compiled code runs).
-        return True
 
     def __init__(self, state: ThreadState) -> None:
         super().__init__()  # type: ignore[no-untyped-call]
@@ -114,21 +86,22 @@ class Interceptor(TorchDispatchMode):  # type: ignore[no-untyped-call]
         state = self.state
         if state.pending:
             release_pending(state)
-        kind = _KINDS.get(func)
-        if kind is None:
-            kind = _classify(func)
-        if kind == ALIAS:
+        info = TABLE.get(id(func))
+        if info is None:
+            info = op_info(func)
+        kind = info.kind
+        if ALIAS <= kind <= DETACH:  # NOTE [bare aliases]
             if graph_task_id() == -1:
                 return func._op(*args, **kwargs) if kwargs else func._op(*args)
-            kind = GRAD_CANDIDATE if func._schema.name == "aten::detach" else PLAIN
+            kind = GRAD_CANDIDATE if kind == DETACH else PLAIN
         if ACTIVE:
             # Results of ops on managed tensors are managed inside scopes and optimizer steps.
             due = state.unowned_depth > 0 or self._scope() is not None
             out = ACTIVE[0].run_op(func, kind, args, kwargs, due)
         else:
             out = func._op(*args, **kwargs) if kwargs else func._op(*args)
-        if kind >= RECORD_ENTER:  # torch.optim's regions: what a step makes is not owned
-            if kind == RECORD_ENTER:
+        if kind >= ENTER:  # torch.optim's regions: what a step makes is not owned
+            if kind == ENTER:
                 optimizer = isinstance(args[0], str) and args[0].startswith("Optimizer.")
                 state.regions.append(optimizer)
                 state.unowned_depth += optimizer
@@ -165,7 +138,7 @@ def _install_global_hooks() -> None:
     # torch.frombuffer is the one creator that bypasses the dispatcher (DESIGN.md).
     torch.frombuffer = _frombuffer
     _aliases.install()  # NOTE [aliases user code asks for]
-    _skip_our_frames_in_dynamo()
+    _skip_our_frames_in_dynamo()  # (the mode's own handler: by its base class, _modes.py)
     treat_as_plain_for_tracing(TensorRef)
     _fallback.install(python_engine=FAST is None)
     if FAST is not None:
@@ -175,16 +148,8 @@ def _install_global_hooks() -> None:
 
 
 def _skip_our_frames_in_dynamo() -> None:
-    """Tell torch.compile never to trace tensorscope's per-op frames (they are not user code):
-    dynamo's C frame callback then skips them at no cost (what ``torch._dynamo.skip_code``
-    does, without importing torch._dynamo)."""
-    try:
-        frames: Any = torch._C._dynamo.eval_frame
-        skip = frames._FrameExecStrategy(frames._FrameAction.SKIP, frames._FrameAction.DEFAULT)
-    except AttributeError:  # pragma: no cover - an older or newer torch
-        return
-    for function in (
-        Interceptor.__torch_dispatch__,
+    """Tell torch.compile never to trace tensorscope's per-op frames (they are not user code)."""
+    skip_in_dynamo(
         Interceptor._scope,
         _fallback._fallback,
         _fallback._fresh,
@@ -197,8 +162,7 @@ def _skip_our_frames_in_dynamo() -> None:
         adopt_fresh,
         adopt_result,
         adopt_at,
-    ):
-        frames.set_code_exec_strategy(function.__code__, skip)
+    )
 
 
 @functools.wraps(ORIGINAL_FROMBUFFER)
@@ -226,7 +190,7 @@ def acquire(state: ThreadState, *, residency: bool = False) -> None:
     else:
         state.scope_users += 1
         if NATIVE_OPS:  # results of ops on managed tensors may be due: the Python op path
-            FAST.res_counter("scopes", 1)
+            FAST.res_counter(SCOPES, 1)
     if state.mode is None:
         state.mode = Interceptor(state)
     state.sync()
@@ -244,7 +208,7 @@ def release(state: ThreadState, *, residency: bool = False) -> None:
     elif state.scope_users > 0:
         state.scope_users -= 1
         if NATIVE_OPS:
-            FAST.res_counter("scopes", -1)
+            FAST.res_counter(SCOPES, -1)
     settle(state)
 
 

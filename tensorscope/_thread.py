@@ -68,6 +68,7 @@ from typing import TYPE_CHECKING, Literal
 import torch
 
 from tensorscope._engine import FAST
+from tensorscope._layout import PENDING, SCOPES
 from tensorscope._slot import ACTIVE
 from tensorscope._state import Counters, Owner
 from tensorscope._torch import (
@@ -232,13 +233,13 @@ class ThreadState:
         with self.pending_lock:
             pending, self.pending = self.pending, []
             if NATIVE_OPS and pending:
-                FAST.res_counter("pending", -1)
+                FAST.res_counter(PENDING, -1)
         return pending
 
     def defer(self, tensors: list[torch.Tensor]) -> None:
         with self.pending_lock:
             if NATIVE_OPS and not self.pending and tensors:
-                FAST.res_counter("pending", 1)  # the C++ op path hands ops to Python meanwhile
+                FAST.res_counter(PENDING, 1)  # the C++ op path hands ops to Python meanwhile
             self.pending.extend(tensors)
 
 
@@ -284,7 +285,7 @@ def _reset_after_fork() -> None:
     state.pushed = False
     state.mode_kept = False
     if NATIVE_OPS and state.scope_users:
-        FAST.res_counter("scopes", -state.scope_users)
+        FAST.res_counter(SCOPES, -state.scope_users)
     state.scope_users = state.residency_users = state.unowned_depth = 0
     state._sync_jit()  # no scope open: TorchScript's setting back
     state.popped_for = None

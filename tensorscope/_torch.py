@@ -7,8 +7,11 @@ honest everywhere else. Layer 3: imports torch and the engine (layer 2) only.
 from __future__ import annotations
 
 import importlib
-from collections.abc import Sequence
-from typing import Any
+import os
+import sys
+from collections.abc import Callable, Sequence
+from types import FrameType
+from typing import Any, TypeVar, cast
 
 import torch
 
@@ -19,6 +22,8 @@ __all__ = [
     "ORIGINAL_FROMBUFFER",
     "SCOPE_KEY",
     "STORAGE_DOOR",
+    "caller_of_disabled",
+    "compiler_disabled",
     "cuda_event",
     "cuda_stream",
     "current_autograd_node",
@@ -51,6 +56,28 @@ _storage_use_count = _C._storage_Use_Count
 _tensor_repr: Any = torch.Tensor.__repr__
 _UntypedStorage: Any = torch.UntypedStorage
 _set_version_counter: Any = _C._autograd._unsafe_set_version_counter
+
+_F = TypeVar("_F", bound=Callable[..., Any])
+
+
+def compiler_disabled(fn: _F) -> _F:
+    """``fn`` run as it is when compiled code reaches it: Dynamo breaks its graph there instead
+    of tracing it (``torch.compiler.disable``)."""
+    disable: Any = torch.compiler.disable
+    return cast(_F, disable(fn))
+
+
+_DYNAMO_SOURCES = os.path.join(os.path.dirname(torch.__file__), "_dynamo") + os.sep
+
+
+def caller_of_disabled() -> FrameType:
+    """The frame that called the (compiler-disabled) function calling this: Dynamo's wrapper
+    frames between them are skipped."""
+    frame = sys._getframe(2)
+    while frame.f_back is not None and frame.f_code.co_filename.startswith(_DYNAMO_SOURCES):
+        frame = frame.f_back
+    return frame
+
 
 # torch.frombuffer as torch defines it (the interceptor wraps the public name; internal
 # buffers, such as the disk tier's mappings, must not become refs).

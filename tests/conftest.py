@@ -23,6 +23,18 @@ groups take ``serial("distributed")`` (a free port is picked, then bound: two at
 race for it). (``xdist_group`` with ``--dist loadgroup`` would say the same, but pytest 9.2
 changed node ids under it and pytest-xdist 3.8 no longer groups: pytest-xdist issue 1386.)
 
+Backends. What differs per device lives in a backend (``tensorscope/residency/backends``): the
+CPU's (moves map and drop pages of the offload files) unless ``TENSORSCOPE_BACKEND=strict``
+chooses the strict backend, which runs the CUDA backend's copy paths on the CPU with late
+copies (a copy's destination holds poison until it is waited: base.py's NOTE [the copy rules],
+strict.py's NOTE [late copies]). CI runs the tests that move data through a backend a second
+time under it, with the C++ engine: they are marked ``@pytest.mark.strict`` (a test, or a
+module's ``pytestmark``), and under the variable every other test is deselected. A test in a
+module marked so that checks what only the CPU backend does (file mappings, page-cache
+behaviour, the disk tier right below the device) takes ``@pytest.mark.cpu_backend``, which
+wins. Write the tier a demotion goes to as ``ts.residency.tiers[1]`` ("disk" below the CPU,
+"host" below CUDA and the strict backend), not ``"disk"``, in a test marked strict.
+
 ``slow``: a test whose call takes more than ``SLOW_CPU_SECONDS`` of CPU (its process and the
 subprocesses it waited for), even after making it as small as what it checks allows. ``-m "not
 slow"`` gives a quick run while developing; CI runs everything. CPU time, unlike wall time, does
@@ -78,6 +90,12 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(ENGINE_INDEPENDENT)
         if skip_gpu is not None and "gpu" in item.keywords:
             item.add_marker(skip_gpu)
+    if os.environ.get("TENSORSCOPE_BACKEND", "").strip().lower() == "strict":
+        kept = [i for i in items if "strict" in i.keywords and "cpu_backend" not in i.keywords]
+        if len(kept) < len(items):
+            keep = {id(i) for i in kept}
+            config.hook.pytest_deselected(items=[i for i in items if id(i) not in keep])
+            items[:] = kept
 
 
 # ----------------------------------------------------------------------------- isolation
@@ -167,13 +185,13 @@ def _independent(keywords: Mapping[str, object]) -> bool:
 
 
 @pytest.fixture(autouse=True)
-def _engine_independent_check(
-    request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch
-) -> Iterator[None]:
+def _engine_independent_check(request: pytest.FixtureRequest) -> Iterator[None]:
     """A test marked ``engine_independent`` runs under one engine only: it must not reach one.
 
     Scopes and ``ts.manage()`` reach the engines through ``_intercept.acquire``; refs created
-    outside a scope show in this thread's counters.
+    outside a scope show in this thread's counters. Its own MonkeyPatch, not the test's: the
+    test's is undone only after every autouse fixture's teardown (the residency reset ran with
+    a test's patches still on).
     """
     if not _independent(request.node.keywords):
         yield
@@ -185,10 +203,11 @@ def _engine_independent_check(
         acquired.append(args)
         acquire(*args, **kwargs)  # type: ignore[arg-type]
 
-    monkeypatch.setattr(_intercept, "acquire", counting)
-    before = ts.stats()
-    yield
-    after = ts.stats()
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(_intercept, "acquire", counting)
+        before = ts.stats()
+        yield
+        after = ts.stats()
     refs = (after.created_in_scope - before.created_in_scope) + (
         after.created_outside_scope - before.created_outside_scope
     )

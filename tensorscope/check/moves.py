@@ -98,6 +98,10 @@ def _training(ctx: Context) -> None:
         handle.remove()
         ts.residency.reset()
     ctx.note("training under 5/12 of the weights: transfers", report.transfers.count)
+    ctx.note(
+        "pinned host memory for copies now; copies through pageable memory instead (why)",
+        [report.pinned_bytes, report.pageable_copies, report.pageable_reason],
+    )
     ctx.expect("training under 5/12 of the weights: losses equal plain's",
                losses == plain_losses, losses, plain_losses)  # fmt: skip
     wrong = [n for (n, p), q in zip(model.named_parameters(), plain.parameters(), strict=True)

@@ -11,6 +11,15 @@
 # GradientCheckpointingLayer base class, would rename every parameter while attached: a
 # Trainer checkpoint saved then would not load into the model. `detach()` deletes the
 # attribute, or restores one that was there before (an accelerate hook), and is idempotent.
+#
+# NOTE [compiled models and the chain]
+# A model compiled by its user (torch.compile(model), model.compile(), before or after the
+# chain was attached) reaches the dispatcher while Dynamo traces the model's forward. The
+# chain's executor is Python with state (the schedule's cursor, autograd Functions, RNG states,
+# weak references), which Dynamo would trace op by op, guard on and recompile at every step;
+# so the dispatch is compiler-disabled: the traced graph breaks around each block's call and
+# the chain runs as it does in eager mode (compiled code before and after it stays compiled).
+# ts.fit(..., compile=True) compiles each block's own forward inside the chain instead.
 """
 
 from __future__ import annotations
@@ -21,6 +30,7 @@ from typing import Any
 from torch import nn
 
 from tensorscope._copies import MISSING, Attached, leave_out_of_copies
+from tensorscope._torch import compiler_disabled
 from tensorscope.errors import InvalidArgumentError
 
 __all__ = ["BlockRoutes", "routed"]
@@ -37,6 +47,7 @@ class _Dispatch:
         self.call = call
         self.k = k
 
+    @compiler_disabled  # NOTE [compiled models and the chain]
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         return self.call(self.k, args, kwargs)
 

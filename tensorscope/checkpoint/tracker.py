@@ -12,8 +12,9 @@ from collections.abc import Iterable
 from typing import Any
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
+
+from tensorscope._modes import DispatchMode
 
 __all__ = ["StorageTracker"]
 
@@ -26,10 +27,13 @@ __all__ = ["StorageTracker"]
 # including storages only autograd's saved tensors still reference. Keys are the storages'
 # C++ addresses, paired with a serial number so a reused address is never confused with a
 # freed one. What this cannot see: scratch memory inside a single kernel (workspaces that a
-# kernel allocates and frees before returning), and memory that is not a tensor.
+# kernel allocates and frees before returning), and memory that is not a tensor. Nor what
+# torch.compile'd code allocates (an inductor kernel makes its outputs below the dispatcher):
+# so while the tracker is pushed, torch.compile runs code eagerly (``eager_under_compile``,
+# _modes.py's NOTE [our modes and torch.compile]).
 
 
-class StorageTracker(TorchDispatchMode):
+class StorageTracker(DispatchMode):
     """Count the bytes of live storages allocated while the mode is active.
 
     ``live_nbytes`` and ``peak_nbytes`` only count storages created inside the ``with`` block
@@ -46,9 +50,7 @@ class StorageTracker(TorchDispatchMode):
         (3072, 1024)
     """
 
-    @classmethod
-    def _should_skip_dynamo(cls) -> bool:
-        return False  # skip dynamo's wrapping of __torch_dispatch__ (import time, per-op cost)
+    eager_under_compile = True  # see the NOTE above
 
     def __init__(self) -> None:
         super().__init__()  # type: ignore[no-untyped-call]

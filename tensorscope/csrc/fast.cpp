@@ -37,7 +37,11 @@
 #include <torch/csrc/jit/frontend/tracer.h>
 #include <torch/library.h>
 
+#include "layout.h"
+
 namespace {
+
+using namespace tensorscope;  // the layout and the op table (layout.h)
 
 constexpr auto kKey = c10::DispatchKey::DeferredInit;
 
@@ -59,10 +63,6 @@ PyObject* g_classify = nullptr;  // _sites._classify(code): the verdict of a cod
 
 constexpr long kUser = 0;
 constexpr long kStateMaker = 2;  // (kPackage = 3: see user_site)
-
-bool is_named(const c10::OperatorHandle& op, const char* name) {
-  return op.operator_name().name == name;
-}
 
 void collect_inputs(const torch::jit::Stack& stack, size_t begin,
                     c10::SmallVector<const c10::TensorImpl*, 8>& inputs) {
@@ -206,8 +206,10 @@ struct Names {
 } g_names;
 
 bool make_names() {
-  g_names = {PyUnicode_InternFromString("pending"), PyUnicode_InternFromString("counters"),
-             PyUnicode_InternFromString("_closed"), PyUnicode_InternFromString("_owned"),
+  g_names = {PyUnicode_InternFromString(kAttributes[kAttrPending]),
+             PyUnicode_InternFromString(kAttributes[kAttrCounters]),
+             PyUnicode_InternFromString(kAttributes[kAttrClosed]),
+             PyUnicode_InternFromString(kAttributes[kAttrOwned]),
              PyUnicode_InternFromString("__class__"), PyLong_FromLong(1)};
   return !PyErr_Occurred();
 }
@@ -429,8 +431,9 @@ void fallback(const c10::OperatorHandle& op, c10::DispatchKeySet keys, torch::ji
   if (g_hook == nullptr) return;
   const size_t num_returns = schema.returns().size();
   const size_t first = stack->size() - num_returns;
-  // torch.tensor(data) hands its own new tensor to lift_fresh, which returns it.
-  const bool input_may_be_fresh = is_named(op, "aten::lift_fresh");
+  // torch.tensor(data) hands its own new tensor to lift_fresh, which returns it (the op
+  // table's fresh_input: optable.cpp).
+  const bool input_may_be_fresh = (classify(op).flags & kFreshInput) != 0;
   c10::SmallVector<at::Tensor, 4> fresh;
   for (size_t i = first; i < stack->size(); ++i) {
     const auto& value = (*stack)[i];
@@ -492,12 +495,12 @@ PyObject* set_hook(PyObject*, PyObject* args) {
   }
   Slots slots;
   if (adoption != Py_None) {
-    if (!(slots.key = slot_of(parts.state_class, "key")) ||
-        !(slots.owner = slot_of(parts.state_class, "owner")) ||
-        !(slots.site = slot_of(parts.state_class, "site")) ||
-        !(slots.counters = slot_of(parts.state_class, "counters")) ||
-        !(slots.disposal = slot_of(parts.state_class, "disposal")) ||
-        !(slots.created = slot_of(counters_class, "created_in_scope"))) {
+    if (!(slots.key = slot_of(parts.state_class, kRefState[kSlotKey])) ||
+        !(slots.owner = slot_of(parts.state_class, kRefState[kSlotOwner])) ||
+        !(slots.site = slot_of(parts.state_class, kRefState[kSlotSite])) ||
+        !(slots.counters = slot_of(parts.state_class, kRefState[kSlotCounters])) ||
+        !(slots.disposal = slot_of(parts.state_class, kRefState[kSlotDisposal])) ||
+        !(slots.created = slot_of(counters_class, kRefState[kSlotCreated]))) {
       return nullptr;
     }
   }
@@ -612,7 +615,8 @@ bool tensorscope_add_residency(PyObject* module);  // csrc/managed.cpp
 PyMODINIT_FUNC PyInit__fast() {
   if (!make_names()) return nullptr;
   PyObject* created = PyModule_Create(&module);
-  if (created != nullptr && !tensorscope_add_residency(created)) {
+  if (created != nullptr &&
+      (!tensorscope_add_residency(created) || !tensorscope_add_optable(created))) {
     Py_DECREF(created);
     return nullptr;
   }

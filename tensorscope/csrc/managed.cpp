@@ -43,6 +43,8 @@
 #include <torch/csrc/autograd/graph_task.h>
 #include <torch/library.h>
 
+#include "layout.h"
+
 #include <time.h>
 #include <unistd.h>
 
@@ -54,6 +56,8 @@
 #include <vector>
 
 namespace {
+
+using namespace tensorscope;  // the layout and the op table (layout.h)
 
 constexpr auto kKey = c10::DispatchKey::Fake;
 
@@ -77,18 +81,18 @@ std::unordered_map<const void*, Entry> g_entries;
 std::unordered_map<int, Arena> g_arenas;
 std::atomic<long> g_off_device{0};   // entries not on the device tier
 std::atomic<bool> g_policy_ok{false};  // the policy decides nothing after a resident op (Flow)
-std::atomic<long> g_pending{0};        // threads with memory to release (cross-thread close)
-std::atomic<long> g_scopes{0};         // scopes open in the process
-std::atomic<long> g_inflight{0};       // fast ops running (all threads)
-std::atomic<long> g_fast_ops{0};       // counters, for tests and the benchmark
-std::atomic<long> g_slow_ops{0};
+// By layout.h's Counter: threads with memory to release (cross-thread close), scopes open in
+// the process, fast ops running (all threads), fast and slow ops so far (tests, the benchmark).
+std::atomic<long> g_counters[kCounterCount] = {};
+std::atomic<long>& g_pending = g_counters[kPending];
+std::atomic<long>& g_scopes = g_counters[kScopes];
+std::atomic<long>& g_inflight = g_counters[kInflight];
+std::atomic<long>& g_fast_ops = g_counters[kFastOps];
+std::atomic<long>& g_slow_ops = g_counters[kSlowOps];
 std::atomic<bool> g_disabled{false};   // fast path off (tests compare both paths)
 // Ops on managed tensors that may still run before Flow's next decision with placements off the
 // device (residency/cadence.py); guarded by g_mu, one less per fast op.
 long g_quiet = 0;
-
-enum Kind : uint8_t { kPlain = 0, kMutating = 1, kGradCandidate = 2, kAlwaysSlow = 3,
-                      kDetach = 4, kAlias = 5 };
 
 // ----------------------------------------------------------------------------- per thread
 struct LogEntry {
@@ -105,7 +109,6 @@ thread_local ThreadLog tl_log;
 thread_local PyObject* tl_mode = nullptr;  // this thread's Interceptor (strong), or null
 std::vector<PyObject*> g_attached;           // GIL: attached threads' Interceptors, oldest first
 thread_local bool tl_due = true;           // results may be due here (optimizer region)
-thread_local std::unordered_map<const c10::OperatorName*, uint8_t> tl_kinds;
 
 PyObject* g_push = nullptr;      // torch._C._push_on_torch_dispatch_stack
 PyObject* g_pop = nullptr;       // torch._C._pop_torch_dispatch_stack
@@ -114,33 +117,6 @@ PyObject* g_flush = nullptr;     // called (GIL held) when this thread's log is 
 std::unordered_map<const c10::OperatorName*, PyObject*> g_ops;  // GIL: resolved OpOverloads
 
 constexpr size_t kFlushAt = 16384;
-
-const char* const kGradMakers[] = {"aten::detach", "aten::clone", "aten::add", "aten::empty_strided",
-                                   "aten::new_empty_strided"};
-
-uint8_t kind_of(const c10::OperatorHandle& op) {
-  const c10::OperatorName* name = &op.operator_name();
-  const auto found = tl_kinds.find(name);
-  if (found != tl_kinds.end()) return found->second;
-  uint8_t kind = kPlain;
-  const auto& schema = op.schema();
-  for (const auto& ret : schema.returns()) {
-    if (ret.alias_info() != nullptr && ret.alias_info()->isWrite()) kind = kMutating;
-  }
-  if (kind == kPlain && name->name == "aten::detach") kind = kDetach;
-  if (kind == kPlain && name->name == "aten::alias") kind = kAlias;
-  if (kind == kPlain) {
-    for (const char* maker : kGradMakers) {
-      if (name->name == maker) kind = kGradCandidate;
-    }
-    if (name->name == "profiler::_record_function_enter_new" ||
-        name->name == "profiler::_record_function_exit") {
-      kind = kAlwaysSlow;
-    }
-  }
-  tl_kinds.emplace(name, kind);
-  return kind;
-}
 
 double now_s() {
   timespec ts;
@@ -190,8 +166,9 @@ void run_plain(const c10::OperatorHandle& op, c10::DispatchKeySet keys, torch::j
 // that is alive (``Interceptor.state.alive``), or null. GIL held.
 PyObject* inherited_mode() {
   for (auto it = g_attached.rbegin(); it != g_attached.rend(); ++it) {
-    PyObject* state = PyObject_GetAttrString(*it, "state");
-    PyObject* flag = state != nullptr ? PyObject_GetAttrString(state, "alive") : nullptr;
+    PyObject* state = PyObject_GetAttrString(*it, kAttributes[kAttrState]);
+    PyObject* flag = state != nullptr ? PyObject_GetAttrString(state, kAttributes[kAttrAlive])
+                                      : nullptr;
     const int alive = flag != nullptr ? PyObject_IsTrue(flag) : -1;
     Py_XDECREF(flag);
     Py_XDECREF(state);
@@ -272,8 +249,9 @@ bool arena_intact(int fd) {
 }
 
 void fallback(const c10::OperatorHandle& op, c10::DispatchKeySet keys, torch::jit::Stack* stack) {
-  uint8_t kind = kind_of(op);
-  if (kind == kAlwaysSlow || g_pending.load(std::memory_order_relaxed) > 0) {
+  // The op table's kind (optable.cpp): torch.optim's regions always go to Python.
+  uint8_t kind = classify(op).kind;
+  if (kind >= kEnter || g_pending.load(std::memory_order_relaxed) > 0) {
     return run_slow(op, keys, stack);
   }
   const bool in_backward = torch::autograd::get_current_graph_task_id() != -1;
@@ -376,12 +354,13 @@ PyObject* res_setup(PyObject*, PyObject* args) {
   Py_RETURN_NONE;
 }
 
-// res_set(key, uid, fast, on_device, fd)
+// res_set(key, (uid, fast, on_device, fd), create=True): layout.h's kPlacementFields
+// (tensorscope._layout.PlacementFields).
 PyObject* res_set(PyObject*, PyObject* args) {
   unsigned long long key;
   long long uid;
   int fast, on_device, fd, create = 1;
-  if (!PyArg_ParseTuple(args, "KLppi|p", &key, &uid, &fast, &on_device, &fd, &create)) {
+  if (!PyArg_ParseTuple(args, "K(Lppi)|p", &key, &uid, &fast, &on_device, &fd, &create)) {
     return nullptr;
   }
   std::lock_guard<std::mutex> lock(g_mu);
@@ -506,21 +485,16 @@ PyObject* res_excluded(PyObject*, PyObject* flag) {
   return PyBool_FromLong(before);
 }
 
+// res_counter(index, delta) -> new value: layout.h's Counter (tensorscope._layout.COUNTERS).
 PyObject* res_counter(PyObject*, PyObject* args) {
-  const char* which;
+  int which;
   long delta;
-  if (!PyArg_ParseTuple(args, "sl", &which, &delta)) return nullptr;
-  std::atomic<long>* counter = nullptr;
-  if (std::strcmp(which, "pending") == 0) counter = &g_pending;
-  else if (std::strcmp(which, "scopes") == 0) counter = &g_scopes;
-  else if (std::strcmp(which, "inflight") == 0) counter = &g_inflight;
-  else if (std::strcmp(which, "fast") == 0) counter = &g_fast_ops;
-  else if (std::strcmp(which, "slow") == 0) counter = &g_slow_ops;
-  if (counter == nullptr) {
-    PyErr_Format(PyExc_ValueError, "res_counter: unknown counter %s", which);
+  if (!PyArg_ParseTuple(args, "il", &which, &delta)) return nullptr;
+  if (which < 0 || which >= kCounterCount) {
+    PyErr_Format(PyExc_ValueError, "res_counter: no counter %d", which);
     return nullptr;
   }
-  return PyLong_FromLong(counter->fetch_add(delta) + delta);
+  return PyLong_FromLong(g_counters[which].fetch_add(delta) + delta);
 }
 
 PyObject* res_flags(PyObject*, PyObject* args) {
@@ -624,7 +598,7 @@ PyObject* res_drain(PyObject*, PyObject*) {
 PyMethodDef residency_methods[] = {
     {"res_setup", res_setup, METH_VARARGS, "res_setup(push, pop, resolve, flush)"},
     {"res_set", res_set, METH_VARARGS,
-     "res_set(key, uid, fast, on_device, fd, create=True): a placement's state"},
+     "res_set(key, (uid, fast, on_device, fd), create=True): a placement's state"},
     {"res_drop", res_drop, METH_O, "res_drop(key) -> bool: forget a placement unless pinned"},
     {"res_claim", res_claim, METH_O, "res_claim(key) -> bool: off the fast path unless pinned"},
     {"res_arena", res_arena, METH_VARARGS, "res_arena(fd, high, canary, ok) or res_arena(fd)"},
@@ -633,7 +607,7 @@ PyMethodDef residency_methods[] = {
     {"res_forget_threads", res_forget_threads, METH_NOARGS,
      "res_forget_threads(): the other threads' Interceptors are dropped (after fork)"},
     {"res_excluded", res_excluded, METH_O, "res_excluded(on) -> previous"},
-    {"res_counter", res_counter, METH_VARARGS, "res_counter(name, delta) -> new value"},
+    {"res_counter", res_counter, METH_VARARGS, "res_counter(index, delta) -> new value"},
     {"res_flags", res_flags, METH_VARARGS, "res_flags(policy_ok, disabled)"},
     {"res_quiet", res_quiet, METH_O, "res_quiet(n): n ops before the policy's next decision"},
     {"res_drain", res_drain, METH_NOARGS,

@@ -9,6 +9,7 @@ recorded step (``ts.record``, ``MemoryPlan``). See NOTE [the step around the cha
 from __future__ import annotations
 
 import bisect
+import math
 from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -18,9 +19,16 @@ from tensorscope.plan.data import CATEGORIES
 from tensorscope.plan.whatif import Interval, Position, _free_gradients, _Intervals, peak_of
 
 if TYPE_CHECKING:
-    from tensorscope.plan.model import MemoryPlan
+    from tensorscope.plan.model import Lifetime, MemoryPlan
 
-__all__ = ["StepBase", "chain_backward_peak", "chain_ops", "placed_peak", "step_base"]
+__all__ = [
+    "StepBase",
+    "chain_backward_peak",
+    "chain_ops",
+    "logits_rows",
+    "placed_peak",
+    "step_base",
+]
 
 # NOTE [the step around the chain]
 # rotor's chain accounts for what the chain allocates: its input, activations, saved tensors,
@@ -57,6 +65,47 @@ __all__ = ["StepBase", "chain_backward_peak", "chain_ops", "placed_peak", "step_
 
 _ACTIVATION_LIKE = ("activation", "temporary", "other")
 
+# NOTE [the head and its loss in chunks]
+# With ts.fit's chunked LM loss (fit/chunkloss.py) the head's logits and their gradients are
+# never made: a storage made between the chain's forward and its backward (the loss region)
+# whose last dimension is the vocabulary and which holds at least two rows of it is left out,
+# and the chunked loss's own memory -- the head weight's gradient in float32, the hidden
+# state's gradient and a chunk's logits (twice: in the head's dtype and upcast) -- is counted
+# over the whole loss region instead (the decider sizes it: fit/decider.py).
+
+
+def logits_rows(plan: MemoryPlan, paths: Collection[str], vocab: int) -> int:
+    """Rows of the largest logits-like storage of the loss region (NOTE [the head and its loss
+    in chunks]); 0 when there is none (no chain, or no such storage).
+
+    Example:
+        >>> from tensorscope.plan.model import Lifetime, MemoryPlan, OpInfo
+        >>> ops = [OpInfo("mm", 0.0, "", b, ph) for b, ph in
+        ...        [("h.0", "forward"), ("head", "forward"), ("h.0", "backward")]]
+        >>> logits = Lifetime(0, "temporary", 4 * 6 * 50, 1, 1, 2, "", (4, 6, 50), "f32", "cpu")
+        >>> plan = MemoryPlan(0, 1, "", "forward", {}, None, [], [logits], ops, [], [], [],
+        ...                   "cpu", 1.0)
+        >>> logits_rows(plan, ["h.0"], 50), logits_rows(plan, ["h.0"], 51)
+        (24, 0)
+    """
+    ranges = chain_ops(plan, paths) if paths else None
+    if ranges is None:
+        return 0
+    loss_ops = range(ranges[0].stop, ranges[1].start)
+    rows = [math.prod(x.shape[:-1]) for x in plan.lifetimes if _logits_like(x, vocab, loss_ops)]
+    return max(rows, default=0)
+
+
+def _logits_like(life: Lifetime, vocab: int, loss_ops: range) -> bool:
+    """Whether ``life`` is the logits, or one of their copies or gradients, of the loss."""
+    return (
+        life.category in _ACTIVATION_LIKE
+        and life.created in loss_ops
+        and len(life.shape) >= 2
+        and life.shape[-1] == vocab
+        and math.prod(life.shape[:-1]) >= 2
+    )
+
 
 @dataclass(frozen=True)
 class StepBase:
@@ -74,6 +123,8 @@ class StepBase:
         state_offloaded: whether the optimizer state is in the next tier between updates.
         offloaded_bytes: bytes of optimizer state moved out and back each step.
         placed_bytes: bytes of the chain's parameters in files between their uses (0: none).
+        chunked_loss: whether the LM head and its loss run in row chunks (NOTE [the head and
+            its loss in chunks]).
     """
 
     free_gradients: bool
@@ -87,6 +138,7 @@ class StepBase:
     state_offloaded: bool = False
     offloaded_bytes: int = 0
     placed_bytes: int = 0
+    chunked_loss: bool = False
 
     @property
     def loss_tmp(self) -> int:
@@ -252,6 +304,7 @@ def step_base(
     stepwise: bool = False,
     placed: Collection[str] = (),
     placed_window: int = 0,
+    chunked_head: tuple[int, int] | None = None,
 ) -> StepBase:
     """The step's memory outside the chain whose blocks ran as ``paths`` (none: no chain);
     ``offload_state``: the optimizer state is in the next tier between updates (NOTE [the step
@@ -260,7 +313,9 @@ def step_base(
     update's temporaries count one block each; ``stepwise`` (with ``offload_state``, gradients
     kept): the step updates one parameter at a time, so one parameter's state counts;
     ``placed``: names of parameters in files between their uses, of which ``placed_window``
-    bytes are in memory while the chain runs (NOTE [the step around the chain]).
+    bytes are in memory while the chain runs (NOTE [the step around the chain]);
+    ``chunked_head=(vocab, extra)``: the LM head and its loss run in row chunks (NOTE [the
+    head and its loss in chunks]).
 
     Example:
         >>> from tensorscope.plan.model import Lifetime, MemoryPlan, OpInfo
@@ -307,6 +362,13 @@ def step_base(
                 life.created in forward or life.created in backward
             ):
                 chain_made.add(life.index)
+        if chunked_head is not None:  # NOTE [the head and its loss in chunks]
+            loss_ops = range(forward.stop, backward.start)
+            chain_made |= {
+                life.index
+                for life in plan.lifetimes
+                if _logits_like(life, chunked_head[0], loss_ops)
+            }
     rank = {c: k for k, c in enumerate(CATEGORIES)}
     intervals: list[Interval] = []
     largest = dict.fromkeys(("parameter", "gradient", "optimizer_state"), 0)
@@ -353,6 +415,11 @@ def step_base(
                 first_op: Position = (span.start, -2, 0)
                 after_op: Position = (span.stop, -2, 0)
                 intervals.append((first_op, after_op, placed_window, rank["parameter"]))
+    if chunked_head is not None and ranges is not None:
+        forward, backward = ranges
+        loss_start: Position = (forward.stop, -2, 0)
+        loss_end: Position = (backward.start, -2, 0)
+        intervals.append((loss_start, loss_end, chunked_head[1], rank["temporary"]))
     if each:  # one parameter's state at a time, from the step's first op
         intervals.append((step_start, each_end, max(each.values()), rank["optimizer_state"]))
     for category in largest:
@@ -382,4 +449,5 @@ def step_base(
         state_offloaded=offload_state,
         offloaded_bytes=offloaded,
         placed_bytes=placed_bytes,
+        chunked_loss=chunked_head is not None and ranges is not None,
     )

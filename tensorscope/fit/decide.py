@@ -115,6 +115,9 @@ class Decision:
         return min(c.least_budget for c in self.candidates)
 
 
+CHUNKED_GAIN = 0.95  # a plan with the LM loss in chunks must be predicted this much faster
+
+
 def block_choices(
     schedule: Schedule | None, n: int, offloaded: Collection[int] = ()
 ) -> tuple[BlockChoice, ...]:
@@ -268,8 +271,22 @@ def decide(
             + _why(candidates)
             + ". Raise the budget, or use a smaller batch or sequence."
         )
+    # NOTE [when the loss runs in chunks] (fit/parts/chunked.py): the plain loss (its bits)
+    # unless none fits or the chunked one is predicted CHUNKED_GAIN faster
+    exact = [c for c in fitting if not c.base.chunked_loss]
+    if exact:
+        fastest = min(c.predicted_s for c in exact)
+        fitting = exact + [
+            c for c in fitting if c.base.chunked_loss and c.predicted_s < fastest * CHUNKED_GAIN
+        ]
     chosen = min(
-        fitting, key=lambda c: (c.predicted_s, c.predicted_peak, not c.base.free_gradients)
+        fitting,
+        key=lambda c: (
+            c.predicted_s,
+            c.base.chunked_loss,
+            c.predicted_peak,
+            not c.base.free_gradients,
+        ),
     )
     n = len(chain.fw) if chain is not None else 0
     blocks = block_choices(chosen.schedule, n, chosen.offloaded)

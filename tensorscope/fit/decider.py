@@ -13,7 +13,7 @@ from torch import nn
 
 from tensorscope.checkpoint.offloaded import OffloadModel
 from tensorscope.errors import ScheduleError
-from tensorscope.fit.account import StepBase, step_base
+from tensorscope.fit.account import StepBase, logits_rows, step_base
 from tensorscope.fit.decide import Candidate, Decision, decide
 from tensorscope.fit.inbackward import parameters_of, unknown_optimizer
 from tensorscope.fit.parts import Decided
@@ -23,6 +23,7 @@ from tensorscope.plan.model import MemoryPlan
 if TYPE_CHECKING:
     from tensorscope.checkpoint.blocks import CheckpointedChain
     from tensorscope.fit.parts.across import AcrossRanks
+    from tensorscope.fit.parts.chunked import ChunkedLoss
     from tensorscope.fit.parts.offload import ActivationOffload
     from tensorscope.fit.parts.place import ParamPlacement
     from tensorscope.fit.parts.states import OptimizerStates
@@ -57,6 +58,7 @@ class Decider:
     place: ParamPlacement
     states: OptimizerStates
     atomic: bool = False
+    chunked: ChunkedLoss | None = None
     slack: int = 0
     retries: int = 0
     across: AcrossRanks | None = None
@@ -170,8 +172,8 @@ class Decider:
         one, tensors = per_parameter_state_bytes(self.optimizer)
         # ts.manage places the state: never both; None: the next tier cannot be written
         bandwidth = self.states.bandwidth() if one and not managed(self.optimizer) else None
+        block = self.states.row_block()
         if bandwidth is not None:
-            block = self.states.row_block()
             for base in list(bases):
                 moved = step_base(
                     plan,
@@ -190,7 +192,41 @@ class Decider:
                 dataclasses.replace(b, seconds=b.seconds + extra_s) if b.placed_bytes else b
                 for b in bases
             ]
-        return bases
+        return bases + self._chunked_bases(plan, paths, bases, where, block)
+
+    def _chunked_bases(
+        self,
+        plan: MemoryPlan,
+        paths: list[str],
+        bases: list[StepBase],
+        where: dict[str, object],
+        block: int,
+    ) -> list[StepBase]:
+        """``bases`` again with the LM head and its loss in row chunks, where the model can run
+        them so and the recorded step made logits (NOTE [when the loss runs in chunks])."""
+        chunked = self.chunked
+        head = chunked.head() if chunked is not None else None
+        if chunked is None or head is None or not paths:
+            return []
+        rows = logits_rows(plan, paths, head[0])
+        if not rows:
+            return []
+        extra = chunked.extra_bytes(rows)
+        out = []
+        for base in bases:
+            again = step_base(
+                plan,
+                paths,
+                free_gradients=base.free_gradients,
+                offload_state=base.state_offloaded,
+                state_block=block if base.state_offloaded else 0,
+                stepwise=base.state_offloaded and self.states.stepwise_ok,
+                chunked_head=(head[0], extra),
+                **(where if base.free_gradients else {}),  # type: ignore[arg-type]
+            )
+            if again.at_loss < base.at_loss:  # else it holds no less: the plain loss
+                out.append(dataclasses.replace(again, seconds=base.seconds))
+        return out
 
     def _placeable(self, plan: MemoryPlan) -> tuple[tuple[str, ...], int, int]:
         """Names of the chain's parameters that can be placed in files, the largest block's

@@ -27,6 +27,7 @@ from torch.utils.hooks import RemovableHandle
 
 from tensorscope import _step_hooks
 from tensorscope._copies import Attached, leave_out_of_copies
+from tensorscope._torch import caller_of_disabled, compiler_disabled
 from tensorscope._units import format_bytes
 from tensorscope.errors import FitWarning, ScheduleError
 from tensorscope.fit import fitted
@@ -45,6 +46,7 @@ from tensorscope.fit.inbackward import parameters_of
 from tensorscope.fit.parts import Decided, Parts, Step
 from tensorscope.fit.parts.across import AcrossRanks
 from tensorscope.fit.parts.chain import ChainExecutor, find_the_chain
+from tensorscope.fit.parts.chunked import ChunkedLoss
 from tensorscope.fit.parts.inbackward import InBackwardUpdates
 from tensorscope.fit.parts.loss import LossRouting
 from tensorscope.fit.parts.offload import ActivationOffload
@@ -141,6 +143,9 @@ class Fit:
         self._place = ParamPlacement(self.chain)
         self._states = OptimizerStates(atomic)
         self._loss = LossRouting()
+        self._inb = InBackwardUpdates(self._states)
+        self._inb.on_late_reader = self._late_reader
+        self._chunked = ChunkedLoss()
         self._recorder = StepRecorder()
         self._across = AcrossRanks(self.chain, self._states, self._place, ranks)
         # NOTE [fit as parts]: the order. Attached, decided and started top-down; detached,
@@ -152,13 +157,22 @@ class Fit:
                 self._place,  # the chain's parameters in files between their uses
                 ChainExecutor(self.chain, self._offload, self._place, self._across),
                 self._states,  # optimizer state in the next tier between updates
-                InBackwardUpdates(self._states),  # updates inside backward (the store's rows)
+                self._inb,  # updates inside backward (the store's rows)
+                self._chunked,  # an HF causal LM's head and loss in row chunks, if decided
                 self._loss,  # a large F.cross_entropy with its gradient in place
                 self._recorder,  # the step recorded: opens after the others, closes first
             ]
         )
         self._decider = Decider(
-            model, optimizer, budget, self.chain, self._offload, self._place, self._states, atomic
+            model,
+            optimizer,
+            budget,
+            self.chain,
+            self._offload,
+            self._place,
+            self._states,
+            atomic,
+            chunked=self._chunked,
         )
         self._decider.across = self._across
         self.optimizer_note = self._decider.optimizer_note
@@ -180,10 +194,13 @@ class Fit:
         self._local = threading.local()  # this thread's model calls (_Call), innermost last
         self._stepping: FrameType | None = None  # the user's optimizer.step() running now
         self._parts.attach(model, optimizer)
+        # compiler-disabled: a compiled model breaks its graph around them, never traces a
+        # fit's state (NOTE [compiled models and the chain], checkpoint/routes.py)
+        disabled = compiler_disabled
         self._handles: list[RemovableHandle | Attached] = [
-            model.register_forward_pre_hook(self._before, with_kwargs=True),
-            model.register_forward_hook(self._returned),
-            model.register_forward_hook(self._after_forward, always_call=True),
+            model.register_forward_pre_hook(disabled(self._before), with_kwargs=True),
+            model.register_forward_hook(disabled(self._returned)),
+            model.register_forward_hook(disabled(self._after_forward), always_call=True),
         ]
         self._handles.append(leave_out_of_copies(model, list(self._handles)))  # _copies.py
         # global, after the recorder's (rank 0): torch runs an optimizer's own post hooks
@@ -227,7 +244,7 @@ class Fit:
         return calls
 
     def _before(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        call, calls = _Call(sys._getframe(1)), self._calls()
+        call, calls = _Call(caller_of_disabled()), self._calls()
         if calls:  # a BaseException skips the always_call hook: those calls do not run
             calls[:] = [c for c in calls if running(c.frame)]
         calls.append(call)  # first: the always_call hook pops it, whatever raises
@@ -254,6 +271,8 @@ class Fit:
         step = self._step
         assert step is not None  # _begin made it, or raised
         step.forwards += 1
+        if step.forwards > 1 and not step.running and self._inb.updated_this_step:
+            self._late_reader("a second forward before optimizer.step()", None, stacklevel=5)
         step.running.append(call.frame)
         call.step = step
         self._parts.forward_start(step)
@@ -398,6 +417,39 @@ class Fit:
                 stacklevel=3,
             )
 
+    def _late_reader(self, what: str, gone: int | None, stacklevel: int = 4) -> None:
+        """NOTE [a step that reads gradients after the recorded one] (fit/gradreaders.py)."""
+        updated = self._inb.updated_this_step
+        step = self._step.number if self._step is not None else self.steps + 1
+        if gone is None:
+            reason = (
+                "gradient accumulation began after the recorded step (a second forward before "
+                "optimizer.step())"
+            )
+            effect = (
+                f"its backward had already applied {updated} parameters' updates inside "
+                f"backward, so this micro-batch runs on updated weights and its gradients are "
+                f"applied by optimizer.step() on their own"
+            )
+        else:
+            reason = (
+                f"{what} reads the gradients before optimizer.step() (not in the recorded step)"
+            )
+            effect = (
+                f"{gone} of the gradients it was given were already applied and freed inside "
+                f"backward, so it did not see them (nothing was clipped)"
+            )
+        self.notes.append(f"step {step}: {what}: {effect}; gradients kept from now on")
+        warnings.warn(
+            f"{_SUB}: step {step}: {what}, which the recorded step did not do: {effect}. This "
+            f"step differs from the plain loop's; from now on gradients are kept until "
+            f"optimizer.step() and every step is exact again. To keep every step exact, do in "
+            f"the first step what later steps do (or use ts.fit(..., atomic=True))",
+            FitWarning,
+            stacklevel=stacklevel,  # the user's line: the reader's call, or the model's
+        )
+        self._redecide(reason)
+
     def _redecide(self, reason: str) -> None:
         if reason not in self.grads_kept_because:
             self.grads_kept_because.append(reason)
@@ -539,6 +591,8 @@ class Fit:
                 timed_steps=len(self._times),
                 state_where=state_where(self.optimizer, self.decision, self._place, self._states),
                 loss_shape=self.loss_shape if self.loss_routed else None,
+                chunk_rows=self._chunked.rows(),
+                chunk_why_not=self._chunked.why_not,
                 notes=tuple(self.notes),
                 error=str(self._error) if self._error is not None else None,
                 removed=self.removed,

@@ -8,8 +8,8 @@ from typing import Any
 
 import torch
 from torch.nn import functional
-from torch.overrides import TorchFunctionMode
 
+from tensorscope._modes import FunctionMode
 from tensorscope.errors import InvalidArgumentError
 
 __all__ = ["MIN_LOSS_BYTES", "LossMode", "in_place_cross_entropy"]
@@ -131,7 +131,7 @@ def _plain_form(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, ...
     return logits, target, bound.get("reduction", "mean"), int(bound.get("ignore_index", -100))
 
 
-class LossMode(TorchFunctionMode):
+class LossMode(FunctionMode):
     """Routes a large plain ``F.cross_entropy`` to :func:`in_place_cross_entropy` (see the
     NOTE); counts the calls routed in ``routed`` and the last logits' shape in ``shape``."""
 

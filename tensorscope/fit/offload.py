@@ -60,6 +60,7 @@ from tensorscope.fit.offload_rules import (
     OffloadStats,
 )
 from tensorscope.fit.offload_store import make_store, measure_store
+from tensorscope.residency.backends import backend_for
 
 __all__ = [
     "DEFAULT_MAX_IN_FLIGHT_BYTES",
@@ -77,7 +78,8 @@ class ActivationOffloader:
     """Offload what autograd saves in groups of a forward to the tier below ``device``.
 
     Args:
-        device: the compute device (``"cpu"``: the disk tier; ``"cuda"``: pinned host memory).
+        device: the compute device (``"cpu"``: the disk tier; ``"cuda"``: pinned host memory;
+            the tier below it is its backend's, ``residency/backends``).
         offload_dir: where the disk tier's files go (default: a private temporary directory,
             removed at exit, see ``residency/tempdirs.py``).
         min_bytes: storages smaller than this stay in memory.
@@ -86,8 +88,9 @@ class ActivationOffloader:
             would take out of memory, per group, at no I/O cost).
         reuse_files: keep file regions of dead activations for the next step's tensors of the
             same size (the disk tier's pool), rather than freeing their blocks.
-        trim_heap: on a CPU device, give the C heap's free memory back to the OS after a
-            group's writes (``malloc_trim``; see offload_engine.py's NOTE on the heap).
+        trim_heap: where the device's memory is the C heap (the CPU), give its free memory back
+            to the OS after a group's writes (``malloc_trim``; offload_engine.py's NOTE [the
+            heap]).
 
     Example:
         >>> import torch
@@ -118,16 +121,16 @@ class ActivationOffloader:
             if value < 0:
                 raise InvalidArgumentError(f"tensorscope.fit: {name} must be >= 0; got {value}")
         self.device = torch.device(device)
-        if self.device.type == "cuda" and self.device.index is None:
-            self.device = torch.device("cuda", torch.cuda.current_device())
         self.min_bytes = min_bytes
         self.measure_only = measure_only
         self._offload_dir = offload_dir
         store = make_store(self.device, offload_dir, reuse_files)
+        backend = backend_for(self.device)
+        self.device = backend.device  # "cuda" is the current device's index
         self.tier = store.tier
         self.directory = store.directory
         self._store = store
-        trim = trim_heap and self.device.type == "cpu" and not measure_only
+        trim = trim_heap and backend.heap_device and not measure_only
         self._engine = Engine(store, max(1, max_in_flight_bytes), measure_only, trim)
         self._finalizer = weakref.finalize(self, Engine.close, self._engine)
 

@@ -1,10 +1,12 @@
-"""Where offloaded activations go: the disk tier on a CPU device, pinned host memory on CUDA.
+"""Where offloaded activations go: the tier below the device (its backend's ``tiers``): the disk
+tier below a CPU device, host memory below CUDA (and the strict test backend).
 
 A store moves the bytes of one storage out and back. ``begin`` runs where autograd saves the
-tensor (the forward's thread: on CUDA the copy is queued on a side stream there, ordered after
-the kernel that made the tensor), ``finish`` on the writer thread (the disk write; on CUDA the
-wait for the copy), ``read`` on the reader thread or inline, ``ready`` where the tensor is
-unpacked (on CUDA the unpacking stream waits for the read). ``release`` gives the copy back.
+tensor (the forward's thread: the host store queues the copy out there, ordered after the
+kernel that made the tensor), ``finish`` on the writer thread (the disk write; the host store
+waits for its copy), ``read`` on the reader thread or inline, ``ready`` where the tensor is
+unpacked (the host store's unpacking stream waits for the read). ``release`` gives the copy
+back.
 
 # NOTE [the disk tier, reused]
 # The CPU store is a ``residency.disk.DiskTier`` of its own (not the residency manager's: its
@@ -24,13 +26,13 @@ from typing import Any, Protocol
 
 import torch
 
-from tensorscope._torch import cuda_event, cuda_stream
-from tensorscope.errors import ResidencyError
+from tensorscope.errors import InvalidArgumentError, ResidencyError
 from tensorscope.fit.offload_rules import Bandwidth
+from tensorscope.residency.backends import Backend, Pending, Refused, backend_for
 from tensorscope.residency.disk import DiskTier
 from tensorscope.residency.mapping import DiskRegion
 
-__all__ = ["DiskStore", "PinnedHostStore", "Store", "make_store", "measure_store"]
+__all__ = ["DiskStore", "HostStore", "Store", "make_store", "measure_store"]
 
 _READ_CHUNK = 64 << 20
 
@@ -108,55 +110,47 @@ class DiskStore:
         self._tier.close()
 
 
-class PinnedHostStore:  # pragma: no cover - needs a CUDA device (tests marked gpu)
-    """Activations in pinned host memory, copied on one side stream (torch's standard pattern:
-    the side stream waits for the compute stream, events order the way back)."""
+class HostStore:
+    """Activations in host memory below a device with a host tier, copied by the device's
+    backend: pinned memory from its pool (pageable when the pool cannot give it), the copy
+    stream out at ``begin``, the copy stream in at ``read`` (base.py's NOTE [the copy rules])."""
 
     tier = "host"
     directory: str | None = None
 
-    def __init__(self, device: torch.device) -> None:
-        self.device = device
-        self.stream = cuda_stream(device)
+    def __init__(self, backend: Backend) -> None:
+        self.backend = backend
+        self.live_bytes = 0  # bytes of the copies that hold activations now (writer thread)
 
-    def begin(self, storage: torch.UntypedStorage) -> tuple[torch.Tensor, torch.cuda.Event]:
-        nbytes = storage.nbytes()
-        source = torch.empty(0, dtype=torch.uint8, device=self.device).set_(
-            storage, 0, (nbytes,), (1,)
-        )
-        host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
-        self.stream.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(self.stream):
-            host.copy_(source, non_blocking=True)
-            done = cuda_event()
-            done.record(self.stream)
-        return host, done
+    def begin(self, storage: torch.UntypedStorage) -> tuple[Any, Any]:
+        try:
+            host = self.backend.staging(storage.nbytes())
+        except Refused as exc:  # finish() raises it on the writer: the tensor stays in memory
+            return None, f"tensorscope.fit: no host memory for an offloaded activation: {exc}"
+        return host, self.backend.copy_out(host, storage)  # after the kernel that made it
 
-    def finish(self, storage: torch.UntypedStorage, started: Any) -> torch.Tensor:
+    def finish(self, storage: torch.UntypedStorage, started: Any) -> torch.UntypedStorage:
         host, done = started
-        done.synchronize()  # then the device storage may go back to the caching allocator
-        copied: torch.Tensor = host
+        if host is None:
+            raise ResidencyError(done)
+        done.synchronize()  # then the device storage may go back (the entry lets go of it)
+        copied: torch.UntypedStorage = host
+        self.live_bytes += copied.nbytes()
         return copied
 
-    def read(self, copy: Any, nbytes: int) -> tuple[torch.Tensor, torch.cuda.Event]:
-        host: torch.Tensor = copy
-        with torch.cuda.stream(self.stream):
-            out = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
-            out.copy_(host, non_blocking=True)
-            done = cuda_event()
-            done.record(self.stream)
-        return out, done
+    def read(self, copy: Any, nbytes: int) -> tuple[torch.UntypedStorage, Pending]:
+        out = self.backend.allocate(nbytes, seen=True)  # as DiskStore's: a recording sees it
+        return out, self.backend.copy_in(out, copy, background=True)
 
     def ready(self, loaded: Any) -> torch.UntypedStorage:
         out, done = loaded
-        current = torch.cuda.current_stream(self.device)
-        current.wait_event(done)
-        out.record_stream(current)  # allocated on the side stream, used on this one
-        storage: torch.UntypedStorage = out.untyped_storage()
+        done.wait()  # the stream that unpacks waits for the read, the host goes on
+        self.backend.claim(out)  # allocated on the reader thread's stream, used on this one
+        storage: torch.UntypedStorage = out
         return storage
 
     def release(self, copy: Any) -> None:
-        return None  # the pinned tensor dies with its last reference
+        self.live_bytes -= copy.nbytes()  # its memory dies with its last reference
 
     def close(self) -> None:
         return None
@@ -164,13 +158,15 @@ class PinnedHostStore:  # pragma: no cover - needs a CUDA device (tests marked g
 
 def make_store(device: torch.device, offload_dir: str | None, reuse_files: bool) -> Store:
     """The store of the next tier below ``device``."""
-    if device.type == "cuda":
-        return PinnedHostStore(device)  # pragma: no cover - needs a CUDA device
-    if device.type == "cpu":
-        return DiskStore(offload_dir, reuse_files)
-    raise ResidencyError(
-        f"tensorscope.fit: activation offload supports CPU and CUDA devices; got {device}."
-    )
+    try:
+        backend = backend_for(device)
+    except InvalidArgumentError as exc:
+        raise ResidencyError(
+            f"tensorscope.fit: activation offload supports CPU and CUDA devices; got {device}."
+        ) from exc
+    if backend.tiers[1] == "host":
+        return HostStore(backend)
+    return DiskStore(offload_dir, reuse_files)
 
 
 def measure_store(
@@ -187,8 +183,7 @@ def measure_store(
         wrote = time.perf_counter() - start
         start = time.perf_counter()
         store.ready(store.read(copy, size))
-        if device.type == "cuda":  # pragma: no cover - needs a CUDA device
-            torch.cuda.synchronize(device)
+        backend_for(device).synchronize()
         read = time.perf_counter() - start
         store.release(copy)
         sizes[size] = (wrote, read)

@@ -13,7 +13,8 @@ from torch import nn
 
 from tensorscope._torch import new_storage
 from tensorscope._units import format_bytes
-from tensorscope.errors import FitWarning, ResidencyError
+from tensorscope.errors import FitWarning, InvalidArgumentError, ResidencyError
+from tensorscope.residency.backends import backend_for
 from tensorscope.residency.disk import DiskTier
 from tensorscope.residency.mapping import DiskRegion
 from tensorscope.residency.tiers import move_into_file, swap_in
@@ -43,8 +44,20 @@ MIN_PLACED_BYTES = 64 << 10  # smaller parameters (biases, norms) stay: they fre
 
 def placeable(model: nn.Module, blocks: Sequence[nn.Module]) -> list[list[nn.Parameter]]:
     """Per block, the parameters only that block holds (not tied to another module), dense,
-    on the CPU, at least MIN_PLACED_BYTES, and not managed by ``ts.manage``."""
+    on a device whose memory can be a file mapping (the CPU's backend), at least
+    MIN_PLACED_BYTES, and not managed by ``ts.manage``."""
     from tensorscope.manage import ManagedParameter
+
+    maps: dict[torch.device, bool] = {}
+
+    def maps_files(device: torch.device) -> bool:
+        found = maps.get(device)
+        if found is None:
+            try:
+                found = maps[device] = backend_for(device).maps_files
+            except InvalidArgumentError:  # a device no backend serves (meta)
+                found = maps[device] = False
+        return found
 
     owners: dict[int, set[int]] = {}
     inside: dict[int, int] = {}
@@ -62,7 +75,7 @@ def placeable(model: nn.Module, blocks: Sequence[nn.Module]) -> list[list[nn.Par
         for p in block.parameters():
             if (
                 owners.get(id(p)) == {k}
-                and p.device.type == "cpu"
+                and maps_files(p.device)
                 and p.layout is torch.strided
                 and type(p) is nn.Parameter
                 and not isinstance(p, ManagedParameter)

@@ -44,6 +44,8 @@ class Facts:
     stepwise: bool = False  # a kept-gradient step runs one parameter at a time
     freed: Candidate | None = None  # atomic=True: what ts.fit would choose without it
     across: tuple[str, ...] = ()  # the ranks and their agreement (fit/parts/across.py)
+    chunk_rows: int = 0  # rows per chunk of the chunked LM loss (0: it cannot run)
+    chunk_why_not: str = ""  # why the LM loss cannot run in chunks
 
 
 def _runs(choices: tuple[str, ...]) -> list[str]:
@@ -174,7 +176,13 @@ def explain(f: Facts) -> str:
         lines += [f"      - {reason}" for reason in f.grads_kept_because] or [
             "      - freeing them at their update predicts no smaller peak and no faster step"
         ]
-    if f.loss_shape is not None:
+    if base.chunked_loss:
+        lines.append(
+            f"    loss: the LM head and cross-entropy in row chunks (up to {f.chunk_rows} rows "
+            f"each): the logits and their gradient never exist whole (outputs.logits is None); "
+            f"results allclose to plain, not its bits (the sums over rows run in another order)"
+        )
+    elif f.loss_shape is not None:
         n, v = f.loss_shape
         lines.append(
             f"    loss: cross_entropy over {n} x {v} logits, its gradient written over the saved "
@@ -192,6 +200,8 @@ def explain(f: Facts) -> str:
             grads += f", optimizer state offloaded ({format_bytes(c.base.offloaded_bytes)})"
         if c.base.placed_bytes:
             grads += f", the chain's parameters in files ({format_bytes(c.base.placed_bytes)})"
+        if c.base.chunked_loss:
+            grads += ", the LM loss in chunks"
         fits = (
             f"predicted peak {format_bytes(c.predicted_peak)}, {c.predicted_s:.3f} s"
             if c.fits

@@ -13,13 +13,14 @@ from typing import Any
 import torch
 
 from tensorscope._sharded import local_tensor, rebuilder
-from tensorscope.errors import FitWarning, ResidencyError
+from tensorscope.errors import FitWarning, InvalidArgumentError, ResidencyError
 from tensorscope.fit.inbackward import KNOWN_OPTIMIZERS, narrowed
 from tensorscope.fit.offload_rules import Bandwidth
 from tensorscope.fit.offload_store import Store, make_store, measure_store
 from tensorscope.fit.placeholders import placeholder_of
 from tensorscope.fit.rows import row_ranges
 from tensorscope.ref import unown
+from tensorscope.residency.backends import backend_for
 
 __all__ = ["MIN_SPILL_BYTES", "StateStore", "per_parameter_state_bytes", "row_safe"]
 
@@ -108,6 +109,14 @@ class _Spilled:
     rebuild: Callable[[torch.Tensor], torch.Tensor] | None = None
     shape: tuple[int, ...] = ()  # the local tensor's (a DTensor's placeholder has the global)
     stride: tuple[int, ...] = ()
+
+
+def _below(device: torch.device) -> str:
+    """The tier below ``device`` (its backend's), "disk" for a device no backend serves."""
+    try:
+        return backend_for(device).tiers[1]
+    except InvalidArgumentError:
+        return "disk"
 
 
 def _spillable(value: Any) -> bool:
@@ -271,7 +280,7 @@ class StateStore:
         devices = {s.device for s in self._spilled.values()} or {
             p.device for g in self.optimizer.param_groups for p in g["params"]
         }
-        return "host" if any(d.type == "cuda" for d in devices) else "disk"
+        return "host" if any(_below(d) == "host" for d in devices) else "disk"
 
     @property
     def spilled_bytes(self) -> int:

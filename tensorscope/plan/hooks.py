@@ -27,9 +27,10 @@ from typing import Any
 import torch
 
 from tensorscope import _step_hooks
+from tensorscope._modes import skip_in_dynamo
 from tensorscope._sharded import dtensor_class, fsdp2_modules
 from tensorscope._torch import graph_task_id
-from tensorscope.plan.mode import recorder_here, skip_in_dynamo
+from tensorscope.plan.mode import recorder_here
 from tensorscope.plan.recorder import Recorder, Watch
 
 __all__ = ["install", "tensors_in", "uninstall"]

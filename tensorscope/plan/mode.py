@@ -13,7 +13,7 @@ saved tensors, torch.compile'd calls).
 # fast as one before it.
 #
 # NOTE [what each op costs]
-# Per op: the op's name and kind (cached per OpOverload), the clock, the user frame (the walk of
+# Per op: the op's name and kind (the op table, _optable.py), the clock, the user frame (the walk of
 # tensorscope._sites, verdicts cached per code object), and per tensor argument or result one
 # ``untyped_storage()`` and one dict lookup; a fresh storage adds a weak reference. In forward,
 # each result with a ``grad_fn`` gets the op's index in the node's ``metadata``, so an op of the
@@ -44,8 +44,9 @@ import weakref
 from typing import Any
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
+from tensorscope._modes import DispatchMode, skip_in_dynamo
+from tensorscope._optable import ENTER, FRESH_INPUT, MUTATING, TABLE, op_info
 from tensorscope._sharded import dtensor_class
 from tensorscope._sites import Site, capture_site
 from tensorscope._torch import ACCUMULATE_GRAD, current_autograd_node, graph_task_id, plain_alias
@@ -59,7 +60,6 @@ __all__ = [
     "pack",
     "recorder_here",
     "see_through",
-    "skip_in_dynamo",
     "unpack",
 ]
 
@@ -68,9 +68,9 @@ METADATA_KEY = "tensorscope.plan.forward_op"
 #: The recorder open on each thread (thread id -> recorder).
 OPEN: dict[int, Recorder] = {}
 
-_PLAIN, _MUTATING, _FRESH, _ENTER, _EXIT = 0, 1, 2, 3, 4
-_INFO: dict[int, tuple[str, int]] = {}
-_KEEP: list[Any] = []
+# What _record_op does with an op's results: nothing (it wrote its inputs), note them, or note
+# them as made by this op even when they are its input (lift_fresh: the op table's FRESH_INPUT).
+_PLAIN, _MUTATING, _FRESH = 0, 1, 2
 _Tensor = torch.Tensor
 _Parameter = torch.nn.Parameter
 _clock = time.perf_counter
@@ -114,36 +114,10 @@ def recorder_here() -> Recorder | None:
     return rec
 
 
-def _classify(func: Any) -> tuple[str, int]:
-    schema = func._schema
-    name = schema.name
-    if name == "profiler::_record_function_enter_new":
-        kind = _ENTER
-    elif name == "profiler::_record_function_exit":
-        kind = _EXIT
-    elif any(r.alias_info is not None and r.alias_info.is_write for r in schema.returns):
-        kind = _MUTATING
-    elif name == "aten::lift_fresh":  # torch.tensor(data): made unseen, handed in as its input
-        kind = _FRESH
-    else:
-        kind = _PLAIN
-    info = _INFO[id(func)] = (name, kind)
-    _KEEP.append(func)  # its id stays its own
-    return info
-
-
-class PlanMode(TorchDispatchMode):  # type: ignore[no-untyped-call]
-    """Records every op of the thread it is pushed on (see the module NOTEs)."""
-
-    @classmethod
-    def _should_skip_dynamo(cls) -> bool:
-        return False
-
-    @classmethod
-    def ignore_compile_internals(cls) -> bool:
-        # Off while torch.compile compiles (nothing of that is the step), on while compiled
-        # code runs: its outputs count through observe_compiled.
-        return True
+class PlanMode(DispatchMode):
+    """Records every op of the thread it is pushed on (see the module NOTEs). Off while
+    torch.compile compiles (nothing of that is the step), on while compiled code runs: its
+    outputs count through observe_compiled (_modes.py's NOTE)."""
 
     def __init__(self, rec: Recorder) -> None:
         super().__init__()  # type: ignore[no-untyped-call]
@@ -158,15 +132,17 @@ class PlanMode(TorchDispatchMode):  # type: ignore[no-untyped-call]
     ) -> Any:
         if types and _THROUGH[0] and any(issubclass(t, _THROUGH[0]) for t in types):
             return NotImplemented  # NOTE [through DTensor]
-        info = _INFO.get(id(func))  # OpOverload.__hash__ is Python code: ids are free
+        info = TABLE.get(id(func))
         if info is None:
-            info = _classify(func)
-        name, kind = info
+            info = op_info(func)
+        name = info.name
         rec = self.rec
-        if kind >= _ENTER:
+        if info.kind >= ENTER:
             out = func._op(*args, **kwargs) if kwargs else func._op(*args)
-            _region(rec, kind, args)
+            _region(rec, info.kind == ENTER, args)
             return out
+        kind = info.kind
+        kind = _MUTATING if kind == MUTATING else _FRESH if info.flags & FRESH_INPUT else _PLAIN
         index = rec.n_ops
         rec.n_ops = index + 1
         start = _clock()
@@ -179,9 +155,9 @@ class PlanMode(TorchDispatchMode):  # type: ignore[no-untyped-call]
         return out
 
 
-def _region(rec: Recorder, kind: int, args: tuple[Any, ...]) -> None:
+def _region(rec: Recorder, enter: bool, args: tuple[Any, ...]) -> None:
     """torch.optim runs ``step`` and ``zero_grad`` inside ``record_function`` regions."""
-    if kind == _ENTER:
+    if enter:
         label = args[0] if args and isinstance(args[0], str) else ""
         region = 2 if label.startswith("Optimizer.step#") else int(label.startswith("Optimizer."))
         rec.region_kinds.append(region)
@@ -387,18 +363,6 @@ def unpack(saved: Any) -> Any:
     return saved
 
 
-def skip_in_dynamo(*functions: Any) -> None:
-    """Tell torch.compile never to compile these frames (the recorder's per-op and hook code is
-    not the user's): dynamo's frame callback then runs them as they are, at no cost."""
-    try:
-        frames: Any = torch._C._dynamo.eval_frame
-        skip = frames._FrameExecStrategy(frames._FrameAction.SKIP, frames._FrameAction.DEFAULT)
-    except AttributeError:  # pragma: no cover - an older or newer torch
-        return
-    for function in functions:
-        frames.set_code_exec_strategy(function.__code__, skip)
-
-
 # ----------------------------------------------------------------------- compiled graphs
 class observe_compiled:
     """Told about each call of torch.compile'd code (tensorscope._compiled): its outputs are
@@ -423,7 +387,6 @@ class observe_compiled:
 
 skip_in_dynamo(
     recorder_here,
-    PlanMode.__torch_dispatch__,
     _region,
     _use,
     _record_op,

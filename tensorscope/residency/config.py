@@ -15,6 +15,7 @@ from tensorscope._torch import storage_door_missing
 from tensorscope._units import parse_bytes
 from tensorscope.errors import ArgumentTypeError, InvalidArgumentError, ResidencyError
 from tensorscope.policies import Flow, Genoa, Policy
+from tensorscope.residency.backends import check_device
 
 __all__ = [
     "check_offload_dir",
@@ -76,15 +77,7 @@ def parse_device(device: object) -> torch.device:
         raise InvalidArgumentError(
             f"tensorscope.residency: unknown device {device!r}; use 'cpu' or 'cuda'."
         ) from exc
-    if parsed.type == "cuda" and not torch.cuda.is_available():
-        raise InvalidArgumentError(
-            "tensorscope.residency: device 'cuda' asked for but CUDA is not available; "
-            "use device='cpu' (the disk tier then backs the CPU)."
-        )
-    if parsed.type not in ("cpu", "cuda"):
-        raise InvalidArgumentError(
-            f"tensorscope.residency: device {parsed} is not supported; use 'cpu' or 'cuda'."
-        )
+    check_device(parsed)  # one a backend serves here
     return parsed
 
 

@@ -14,11 +14,17 @@ docs/residency.md.
 # NOTE [threads]
 # One lock protects the ledger, the policy, the recorders and the tiers. An op holds it only
 # while its operands are made resident and while its results are registered, not while it
-# computes: meanwhile its operands are *pinned* (``Placement.pins``), so no other thread demotes
-# them, and the bytes of its results are *reserved* in the ledger, so two threads' ops together
-# never pass the budget. A thread that cannot make room because other threads' ops pin the
-# bytes waits for one of them to finish (``_room``); with no op in flight elsewhere it raises
-# ``OutOfBudgetError``. Each thread records its own trace for Flow's predictions.
+# computes (``unlocked()``): meanwhile its operands are *pinned* (``pinned()``, pins.py), so no
+# other thread demotes them, and the bytes of its results are *reserved* in the ledger
+# (``begin_op``), so two threads' ops together never pass the budget. A thread that cannot make
+# room because other threads' ops pin the bytes waits for one of them to finish
+# (``Pins.wait_for_room``); with no op in flight elsewhere it raises ``OutOfBudgetError``. Each
+# thread records its own trace for Flow's predictions.
+#
+# NOTE [the op path's interface]
+# oppath.py runs each op through the public methods under "the op path's side" below (the
+# ``OpPathManager`` protocol there lists them), never the manager's private state:
+# tests/residency/test_oppath_interface.py checks it.
 """
 
 from __future__ import annotations
@@ -27,7 +33,7 @@ import collections
 import os
 import threading
 import weakref
-from collections.abc import Hashable, Iterable
+from collections.abc import Hashable, Iterable, Sequence
 from typing import Any
 
 import torch
@@ -35,7 +41,7 @@ import torch
 from tensorscope import _intercept
 from tensorscope._slot import set_residency_active
 from tensorscope._thread import ThreadState, thread_state
-from tensorscope._torch import cuda_stream, storage_address
+from tensorscope._torch import storage_address
 from tensorscope._units import format_bytes
 from tensorscope.errors import (
     ArgumentTypeError,
@@ -46,7 +52,8 @@ from tensorscope.errors import (
 from tensorscope.graph.order import ModuleOrder
 from tensorscope.graph.record import Recorder
 from tensorscope.policies import Action, Flow, Policy
-from tensorscope.residency import config, native, room, watch
+from tensorscope.residency import backends, config, native, room, watch
+from tensorscope.residency.backends import Backend
 from tensorscope.residency.cadence import Cadence
 from tensorscope.residency.disk import DiskTier
 from tensorscope.residency.ledger import Ledger
@@ -54,27 +61,19 @@ from tensorscope.residency.modules import ModuleSupport
 from tensorscope.residency.movers import Movers
 from tensorscope.residency.oppath import OpPath
 from tensorscope.residency.pace import Pace
+from tensorscope.residency.pins import Pins, Unlocked
 from tensorscope.residency.placement import Placement
 from tensorscope.residency.prefetch import Prefetcher
 from tensorscope.residency.report import ResidencyReport, TierReport, Transfers
 from tensorscope.residency.room import Blocked
 from tensorscope.residency.signals import watch_private_dirs
-from tensorscope.residency.tiers import (
-    TIER_ORDER,
-    DeviceTier,
-    HostTier,
-    TierName,
-)
+from tensorscope.residency.tally import Tally
+from tensorscope.residency.tiers import TIER_ORDER, TierName
 
 __all__ = ["ResidencyManager"]
 
 _UNSET: Any = object()
-_SWEEP_EVERY = 64  # ops between sweeps of placements nothing else holds any more
 _WAIT_S = 0.05  # re-check for room this often while other threads' ops hold it
-
-
-def _default_device() -> torch.device:
-    return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
 
 
 class ResidencyManager(ModuleSupport):
@@ -93,13 +92,13 @@ class ResidencyManager(ModuleSupport):
     def __init__(self) -> None:
         self._lock = threading.RLock()
         self._room = threading.Condition(self._lock)  # notified when an op unpins
-        self._device = _default_device()
+        self._unlocked = Unlocked(self._lock)
+        self._device = backends.default_device()
+        self._backend: Backend | None = None  # what differs per device (made on first use)
         self._policy: Policy = Flow()
         self._budget: int | None = None
         self._offload_dir: str | None = None
         self._disk: DiskTier | None = None
-        self._host: HostTier | None = None
-        self._copy_stream: torch.cuda.Stream | None = None
         self._movers: Movers | None = None
         self._prefetcher: Prefetcher | None = None
         # Prefetches that landed while the lock was held (appended by the prefetch threads).
@@ -110,9 +109,10 @@ class ResidencyManager(ModuleSupport):
         self.ledger = Ledger()
         self._recorders: dict[int, Recorder] = {}
         self.order = ModuleOrder()  # next uses guessed before an iteration is recorded
-        self.clock = 0
-        self.in_flight = 0  # ops between before() and after(), on all threads
-        self._since_sweep = 0
+        # How ops are counted (tally.py): the op path counts each op through it (tick,
+        # record, used), sync_ops replays the fast path's log into it.
+        self.tally = Tally(self.sweep, self.iteration_end)
+        self.in_flight = 0  # ops between begin_op() and end_op(), on all threads
         self._threads: dict[int, ThreadState] = {}  # threads whose mode routes ops here
         self._handles: weakref.WeakSet[Any] = weakref.WeakSet()  # live ts.manage() handles
         self.ops = OpPath(self)
@@ -150,18 +150,20 @@ class ResidencyManager(ModuleSupport):
         new_policy = self._policy if policy is _UNSET else config.parse_policy(policy)
         new_device = self._device if device is _UNSET else config.parse_device(device)
         new_dir: Any = _UNSET if offload_dir is _UNSET else config.check_offload_dir(offload_dir)
+        new_backend = backends.backend_for(new_device)  # reads TENSORSCOPE_BACKEND
         with self._lock:
-            if new_device != self._device and self.ledger.placements:
+            if new_backend is not self.backend and self.ledger.placements:
                 raise ResidencyError(
                     f"tensorscope.residency: cannot move {len(self.ledger)} managed tensors "
-                    f"from {self._device} to {new_device}; remove() them first."
+                    f"from {self._device} ({self.backend.name} backend) to {new_device} "
+                    f"({new_backend.name} backend); remove() them first."
                 )
             if new_dir is not _UNSET:
                 self._set_offload_dir(new_dir)  # a checked str or None
-            if new_device != self._device:
-                self._copy_stream = None
+            if new_backend is not self._backend:
                 self._movers = None
             self._device = new_device
+            self._backend = new_backend
             self.sync_ops()
             if new_policy is not self._policy:
                 self._policy = new_policy
@@ -212,11 +214,17 @@ class ResidencyManager(ModuleSupport):
         return self._policy
 
     @property
+    def backend(self) -> Backend:
+        """What differs per device (``residency/backends``), chosen when configured."""
+        backend = self._backend
+        if backend is None:
+            backend = self._backend = backends.backend_for(self._device)
+        return backend
+
+    @property
     def tiers(self) -> tuple[TierName, ...]:
         """The tiers in use, top to bottom (no host tier when the device is the CPU)."""
-        if self._device.type == "cpu":
-            return ("device", "disk")
-        return TIER_ORDER
+        return self.backend.tiers
 
     @property
     def disk(self) -> DiskTier:
@@ -226,14 +234,9 @@ class ResidencyManager(ModuleSupport):
         return self._disk
 
     def movers(self) -> Movers:
-        if self._device.type == "cuda":
-            if self._host is None:
-                self._host = HostTier()
-            if self._copy_stream is None:
-                self._copy_stream = cuda_stream(self._device)
         disk = self.disk
         if self._movers is None or self._movers.disk is not disk:
-            self._movers = Movers(DeviceTier(self._device), self._host, disk, self._copy_stream)
+            self._movers = Movers(self.backend, disk)
         return self._movers
 
     def recorder(self) -> Recorder:
@@ -262,6 +265,7 @@ class ResidencyManager(ModuleSupport):
             in_checkpoint = [
                 p for p in ledger.placements.values() if p.region is not None and p.region.readonly
             ]
+            pinned, limit, pageable, why = self.backend.staging_report()
             rep = ResidencyReport(
                 str(self._device),
                 getattr(self._policy, "name", type(self._policy).__name__),
@@ -274,6 +278,10 @@ class ResidencyManager(ModuleSupport):
                 self.converted,
                 self.pace.read_rate,
                 *self._allocator_bytes(),
+                pinned,
+                limit,
+                pageable,
+                why,
             )
             if reset:
                 ledger.reset_counters()
@@ -281,10 +289,8 @@ class ResidencyManager(ModuleSupport):
 
     # ------------------------------------------------------------------------ registration
     def _allocator_bytes(self) -> tuple[int | None, int | None]:
-        """(reserved, allocated) of the CUDA caching allocator on the device; Nones elsewhere."""
-        if self._device.type != "cuda" or not torch.cuda.is_initialized():  # type: ignore[no-untyped-call]
-            return None, None
-        return torch.cuda.memory_reserved(self._device), torch.cuda.memory_allocated(self._device)
+        """(reserved, allocated) of the device's caching allocator (CUDA); Nones elsewhere."""
+        return self.backend.allocator_bytes()
 
     def placement_of(self, tensor: torch.Tensor) -> Placement | None:
         """The placement managing ``tensor``'s storage, or None."""
@@ -376,7 +382,7 @@ class ResidencyManager(ModuleSupport):
 
     def sweep(self, keys: Iterable[int] | None = None) -> None:
         """Forget placements whose storage nothing but the placement still holds."""
-        self._since_sweep = 0
+        self.tally.swept()
         placements = self.ledger.placements
         candidates = (
             list(placements.values())
@@ -403,17 +409,14 @@ class ResidencyManager(ModuleSupport):
             if placement is None or placement.tier == "device":
                 return
             self.check_fits(placement.nbytes, "promote()")
-            while True:
-                placement.pins += 1
-                try:
-                    self.make_room(placement.nbytes, "promote()", holding_pins=True)
-                    self.promote_placement(placement)
-                    return
-                except Blocked:
-                    pass  # unpinned below, then wait for other threads' ops
-                finally:
-                    placement.pins -= 1
-                self._room.wait(_WAIT_S)
+            with self.pinned([placement]) as pins:
+                while True:
+                    try:
+                        self.make_room(placement.nbytes, "promote()", holding_pins=True)
+                        self.promote_placement(placement)
+                        return
+                    except Blocked:
+                        pins.wait_for_room()  # room only other threads' ops can free
 
     def tier_of(self, tensor: torch.Tensor) -> TierName:
         placement = self.ledger.find(tensor)
@@ -440,56 +443,53 @@ class ResidencyManager(ModuleSupport):
         return self.ops.run(func, kind, args, kwargs, results_due)
 
     def sync_ops(self) -> None:
-        """Replay the ops this thread's C++ op path ran since the last call into the ledger
-        and the recorder, as the Python op path records an op (see native.py)."""
+        """Count the ops this thread's C++ op path ran since the last call into the ledger and
+        the recorder, as the Python op path counts an op (tally.py, native.py)."""
         engine = native.ENGINE
         if engine is None:
             return
         drained = engine.res_drain()
         if drained is None:
             return
-        funcs, uids, clocks, last = drained
         with self._lock:
-            by_uid = self.ledger.by_uid
-            # Roles resolved first (a sweep while replaying may forget a placement used later),
-            # once per distinct operand tuple (the engine gives equal tuples as one object).
-            roles_of: dict[int, tuple[Hashable, ...]] = {}
-            for operands in uids:
-                if id(operands) not in roles_of:
-                    roles_of[id(operands)] = tuple(by_uid[u].role for u in operands if u in by_uid)
-            roles = [roles_of[id(operands)] for operands in uids]
             stalled = self.pace.clock_at(0.0)
-            times = [at + stalled for at in clocks] if stalled else clocks
-            recorder = self.recorder()
-            starts = recorder.record_many(funcs, roles, times)
-            # The module order's cursor only moves forward within an iteration: advancing it
-            # over a stretch of ops at once ends where advancing op by op does. Sweeps: the op
-            # path sweeps every _SWEEP_EVERY ops and at each iteration's start; a sweep forgets
-            # what nothing holds, so one sweep at the end forgets what those would have.
-            count = len(roles)
-            since = self._since_sweep
-            sweep_due = False
-            begin = 0
-            for cut in [*starts, count]:
-                if cut > begin:
-                    self.order.advance({r for op in roles[begin:cut] for r in op})
-                    counted = cut - begin
-                    if begin in starts:  # that op's iteration_end() swept
-                        since, counted = 0, counted - 1
-                    sweep_due = sweep_due or since + counted >= _SWEEP_EVERY
-                    since = (since + counted) % _SWEEP_EVERY
-                if cut < count:
-                    self.iteration_end()  # the op at `cut` began a new iteration
-                begin = cut
-            clock = self.clock
-            for uid, index in last.items():
-                placement = by_uid.get(uid)
-                if placement is not None:
-                    placement.last_use = clock + index + 1
-            self.clock = clock + count
-            if sweep_due:
-                self.sweep()
-            self._since_sweep = since
+            self.tally.replay(self.recorder(), self.order, self.ledger.by_uid, drained, stalled)
+
+    # ---------------------------------------------------------------- the op path's side
+    # NOTE [the op path's interface]: what oppath.py uses, besides the ledger, the policy,
+    # the cadence, the pace, the module order, the tally and the moves above.
+    @property
+    def lock(self) -> threading.RLock:
+        """The manager's one lock (NOTE [threads]); re-entrant."""
+        return self._lock
+
+    @property
+    def clock(self) -> int:
+        """Ops counted on managed tensors so far (all threads; tally.py)."""
+        return self.tally.clock
+
+    def pinned(self, placements: Sequence[Placement], wake: bool = True) -> Pins:
+        """``with manager.pinned(placements) as pins:`` keeps them on the device (pins.py);
+        ``wake=False``: threads waiting for room are not woken when they are unpinned."""
+        return Pins(placements, self._lock, self._room, _WAIT_S, wake)
+
+    def unlocked(self) -> Unlocked:
+        """``with manager.unlocked():`` (the lock held) lets it go while an op computes."""
+        return self._unlocked
+
+    def room_freed(self) -> None:
+        """Wake the threads waiting for room (bytes were demoted or unpinned)."""
+        self._room.notify_all()
+
+    def begin_op(self, reserved: int) -> None:
+        """An op is in flight, its results' bytes reserved against the budget."""
+        self.ledger.reserved += reserved
+        self.in_flight += 1
+
+    def end_op(self, reserved: int) -> None:
+        """The op ended (or failed): what ``begin_op`` reserved is given back."""
+        self.ledger.reserved -= reserved
+        self.in_flight -= 1
 
     def iteration_boundary(self) -> None:
         """End of an iteration (an optimizer step): the trace so far predicts the next one."""
@@ -541,7 +541,7 @@ class ResidencyManager(ModuleSupport):
         if (
             region is not None
             and region.readonly
-            and self._device.type == "cpu"
+            and self.backend.maps_files
             and self.disk.streams(self._budget or 0)
         ):
             region.uncache()  # see the NOTE in DiskTier.streams
@@ -575,7 +575,7 @@ class ResidencyManager(ModuleSupport):
         if not checked and movers.damage(placement) is not None:
             return  # lost bytes: the op that needs them raises, a prefetch must not
         source = placement.tier
-        if self._device.type == "cuda":
+        if not movers.maps_files:  # a copy on the backend's copy stream
             try:
                 seconds = movers.promote(placement, background=True)
             except ResidencyError:
@@ -638,7 +638,7 @@ class ResidencyManager(ModuleSupport):
         ledger = self.ledger
         self.sync_ops()
         while budget is not None and ledger.device_total + needed > budget:
-            if self._since_sweep > 8:
+            if self.tally.since_sweep > 8:
                 self.sweep()  # placements nothing holds any more free room for nothing
             shortfall = ledger.device_total + needed - budget
             if shortfall <= 0:

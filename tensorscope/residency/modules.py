@@ -30,6 +30,7 @@ from tensorscope.residency.tiers import TierName, release_free_heap
 if TYPE_CHECKING:
     from tensorscope.graph.order import ModuleOrder
     from tensorscope.graph.record import Recorder
+    from tensorscope.residency.backends import Backend
     from tensorscope.residency.cadence import Cadence
     from tensorscope.residency.disk import DiskTier
     from tensorscope.residency.oppath import OpPath
@@ -60,6 +61,9 @@ class ModuleSupport:
 
         @property
         def disk(self) -> DiskTier: ...
+
+        @property
+        def backend(self) -> Backend: ...
 
         def movers(self) -> Movers: ...
 
@@ -166,13 +170,16 @@ class ModuleSupport:
                 del source, converted
                 region = region_converted
                 self.converted += 1
-            if self._device.type == "cuda":  # the region is the disk copy of device memory
+            if not self.backend.maps_files:  # the region is the disk copy of device memory
                 self.make_room(region.nbytes, "ts.manage()")
                 tensor = torch.empty(stored.shape, dtype=dtype, device=self._device)
                 placement = Placement(tensor.untyped_storage(), role, 0)
+                # On the disk tier at once, its memory given back unwritten: the region holds
+                # its bytes (a demotion would copy the empty tensor over a converted value).
+                self.backend.release(placement.storage)
                 placement.region = region
+                placement.tier = "disk"
                 self.add(placement)
-                self.demote_placement(placement, "disk")
             else:  # the region is the tensor's memory (no page touched yet)
                 tensor = tensor_over(region.storage(), dtype, stored.shape)
                 placement = Placement(tensor.untyped_storage(), role, 0)
@@ -205,7 +212,7 @@ class ModuleSupport:
     def back_with_files(self, uids: set[int]) -> None:
         """CPU device: move the heap memory of these device-resident placements into mapped
         disk regions; a full disk leaves them where they are."""
-        if self._device.type != "cpu":
+        if not self.backend.maps_files:
             return
         movers = self.movers()
         for placement in list(self.ledger.resident.values()):

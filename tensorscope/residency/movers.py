@@ -1,4 +1,9 @@
-"""Byte moves between tiers for one device (the manager decides, these move)."""
+"""Byte moves between tiers for one device (the manager decides, these move).
+
+What differs per device is the backend's (``residency/backends``): a backend whose device
+memory can be a disk region's mapping (the CPU) moves by mapping and dropping pages; any other
+(CUDA, and the strict test backend) moves by copies, keeping base.py's NOTE [the copy rules].
+"""
 
 from __future__ import annotations
 
@@ -6,20 +11,14 @@ import time
 
 import torch
 
-from tensorscope._torch import cuda_event, new_storage, no_dispatch, tensor_over
+from tensorscope._torch import no_dispatch, tensor_over
 from tensorscope._units import format_bytes
 from tensorscope.errors import ResidencyError
+from tensorscope.residency.backends import DONE, Backend, Refused
 from tensorscope.residency.disk import DiskTier
 from tensorscope.residency.mapping import DiskRegion
 from tensorscope.residency.placement import Placement
-from tensorscope.residency.tiers import (
-    DeviceTier,
-    HostTier,
-    TierName,
-    empty_storage,
-    move_into_file,
-    swap_in,
-)
+from tensorscope.residency.tiers import TierName, move_into_file, swap_in
 
 __all__ = ["Movers", "describe", "lost_error", "lost_on_remove"]
 
@@ -58,22 +57,16 @@ def lost_on_remove(lost: list[tuple[Placement, str]]) -> ResidencyError:
 class Movers:
     """Byte moves between tiers for one device; each returns the seconds it took.
 
-    On a CPU device the disk region becomes the storage's memory at the first demotion (a copy,
-    then a data-pointer swap); later moves only drop or map pages (see tiers.py's NOTE). On CUDA
-    every move copies and swaps (device memory goes back to the caching allocator).
+    When the device's memory can be a file mapping (the CPU) the disk region becomes the
+    storage's memory at the first demotion (a copy, then a data-pointer swap); later moves only
+    drop or map pages (see disk.py's NOTE [CPU and CUDA]). Otherwise every move copies through
+    the backend and gives the device memory back (``Backend.release``).
     """
 
-    def __init__(
-        self,
-        device: DeviceTier,
-        host: HostTier | None,
-        disk: DiskTier,
-        copy_stream: torch.cuda.Stream | None = None,
-    ) -> None:
-        self.device = device
-        self.host = host
+    def __init__(self, backend: Backend, disk: DiskTier) -> None:
+        self.backend = backend
+        self.maps_files = backend.maps_files
         self.disk = disk
-        self.copy_stream = copy_stream  # CUDA prefetches run here, overlapping compute
         self.migrated_bytes = 0  # heap bytes freed by first demotions (see release_free_heap)
 
     # ------------------------------------------------------------------------------ demote
@@ -94,34 +87,47 @@ class Movers:
 
     def _demote(self, placement: Placement, target: TierName) -> float:
         start = time.perf_counter()
-        placement.wait()
         source = placement.tier
+        placement.wait(host=source == "host")  # a host buffer is read on the CPU below
         if target == source:
             return 0.0
-        if self.device.is_cpu:
+        if self.maps_files:
             self._to_disk_cpu(placement)
         elif target == "host":
-            if self.host is None:
-                raise ResidencyError("tensorscope.residency: no host tier on this device")
-            try:
-                host = self.host.allocate(placement.nbytes)
-            except RuntimeError as exc:  # pragma: no cover - pinned memory refused (CUDA)
-                raise self._refused(placement, "host", exc) from exc
-            host.copy_(placement.storage)
-            self._release_device(placement)
-            placement.host = host
+            self._to_host(placement)
         else:
-            region = placement.region or self.disk.allocate(placement.nbytes)
-            if not region.readonly:  # a checkpoint's region already holds these bytes
-                view = region.storage()
-                pinned = placement.host
-                view.copy_(pinned if source == "host" and pinned is not None else placement.storage)
-            if source == "device":
-                self._release_device(placement)
-            placement.host = None
-            placement.region = region
+            self._to_disk(placement, source)
         placement.tier = target
         return time.perf_counter() - start
+
+    def _to_host(self, placement: Placement) -> None:
+        """Device to host: an asynchronous copy into pinned memory (pageable when the pool
+        cannot give it); the device memory goes back at once (rule 4 keeps it for the copy)."""
+        if "host" not in self.backend.tiers:
+            raise ResidencyError("tensorscope.residency: no host tier on this device")
+        try:
+            host = self.backend.staging(placement.nbytes)
+        except Refused as exc:
+            raise self._refused(placement, "host", exc) from exc
+        pending = self.backend.copy_out(host, placement.storage)
+        self.backend.release(placement.storage)
+        placement.host = host
+        placement.pending = None if pending is DONE else pending  # promote()/_demote() wait
+
+    def _to_disk(self, placement: Placement, source: TierName) -> None:
+        """To the disk tier by a copy (the host waited for a host buffer's copy above)."""
+        region = placement.region or self.disk.allocate(placement.nbytes)  # raises: disk full
+        if not region.readonly:  # a checkpoint's region already holds these bytes
+            view = region.storage()
+            pinned = placement.host
+            if source == "host" and pinned is not None:
+                view.copy_(pinned)
+            else:
+                self.backend.copy_out(view, placement.storage).synchronize()
+        if source == "device":
+            self.backend.release(placement.storage)
+        placement.host = None
+        placement.region = region
 
     def _to_disk_cpu(self, placement: Placement) -> None:
         region = placement.region or self._move_into_file(placement)
@@ -140,15 +146,16 @@ class Movers:
 
     def relocate(self, placement: Placement) -> None:
         """Copy on first write: a checkpoint-backed placement gets its own offload region
-        before anything writes to it (the checkpoint is never modified). On a CPU device its
-        memory becomes the new region (mapped if it was resident); on CUDA the device copy is
-        the data, and the next demotion writes it to a region of its own."""
+        before anything writes to it (the checkpoint is never modified). Where the region is
+        the memory (the CPU) its memory becomes the new region (mapped if it was resident);
+        elsewhere the device copy is the data, and the next demotion writes it to a region of
+        its own."""
         old = placement.region
         if old is None or not old.readonly:
             return
         with no_dispatch():
             region = None
-            if self.device.is_cpu:
+            if self.maps_files:
                 region = self.disk.store(old.address, placement.nbytes)  # raises if disk full
                 swap_in(placement.storage, region.storage())
                 if placement.tier == "device":
@@ -159,25 +166,21 @@ class Movers:
     def back_with_file(self, placement: Placement) -> None:
         """CPU device: give a device-resident placement file-backed memory now, mapped (it
         stays resident). Later moves of it then only map and drop pages."""
-        if not self.device.is_cpu or placement.region is not None or placement.tier != "device":
+        if not self.maps_files or placement.region is not None or placement.tier != "device":
             return
         with no_dispatch():
             region = self._move_into_file(placement)
             region.populate(write=placement.written)
 
-    def _release_device(self, placement: Placement) -> None:
-        if self.device.device.type == "cuda":
-            torch.cuda.current_stream(self.device.device).synchronize()
-        swap_in(placement.storage, empty_storage(self.device.device))
-
     # ----------------------------------------------------------------------------- promote
     def damage(self, placement: Placement) -> str | None:
         """Why a placement's bytes cannot be read (its file truncated or changed behind the
-        manager's back where they lie), or None. On CUDA only the disk tier reads the file."""
+        manager's back where they lie), or None. Where moves copy, only the disk tier reads
+        the file."""
         region = placement.region
         if region is None:
             return "its data is gone" if placement.tier == "disk" else None
-        if not self.device.is_cpu and placement.tier != "disk":
+        if not self.maps_files and placement.tier != "disk":
             return None
         return region.damage()
 
@@ -198,7 +201,7 @@ class Movers:
                 if placement.tier == "disk":
                     found.append((placement, "its data is gone"))
                 continue
-            if not self.device.is_cpu and placement.tier != "disk":
+            if not self.maps_files and placement.tier != "disk":
                 continue
             file = region.file
             bad = checked.get(id(file))
@@ -215,13 +218,13 @@ class Movers:
         about to overwrite all of it: ``copy_``, ``fill_``...); the old region is let go."""
         with no_dispatch():
             old = placement.region
-            if self.device.is_cpu:
+            if self.maps_files:
                 region = self.disk.allocate(placement.nbytes)  # raises if the disk is full
                 swap_in(placement.storage, region.storage())
                 region.populate(write=True)
                 placement.region = region
             else:
-                swap_in(placement.storage, self.device.allocate(placement.nbytes))
+                swap_in(placement.storage, self._device_memory(placement))
                 placement.region = None
                 placement.host = None
             if old is not None:
@@ -229,21 +232,26 @@ class Movers:
             placement.tier = "device"
             placement.written = True
 
+    def _device_memory(self, placement: Placement) -> torch.UntypedStorage:
+        try:
+            return self.backend.allocate(placement.nbytes)
+        except Refused as exc:
+            raise self._refused(placement, "device", exc) from exc
+
     def promote(self, placement: Placement, background: bool = False) -> float:
         """Bring the bytes to the device (``check_readable`` first: this must not fail, but for
-        a device allocator that cannot serve it: ``ResidencyError``, nothing changed)."""
+        a device allocator that cannot serve it: ``ResidencyError``, nothing changed).
+        ``background``: the copy runs on the backend's copy stream and ``placement.pending``
+        is what its users wait for (``Placement.wait``)."""
         with no_dispatch():
-            try:
-                return self._promote(placement, background)
-            except torch.OutOfMemoryError as exc:  # pragma: no cover - needs a CUDA device
-                raise self._refused(placement, "device", exc) from exc
+            return self._promote(placement, background)
 
     def _promote(self, placement: Placement, background: bool) -> float:
         start = time.perf_counter()
-        placement.wait()  # a drop of its pages may still be queued
+        placement.wait()  # a drop of its pages may still be queued; a demotion's copy
         if placement.tier == "device":
             return 0.0
-        if self.device.is_cpu:
+        if self.maps_files:
             region = placement.region
             assert region is not None  # a CPU placement off the device always has a region
             if not region.populate(write=placement.written):
@@ -254,20 +262,14 @@ class Movers:
             else:
                 assert placement.region is not None
                 source = placement.region.storage()
-            stream = self.copy_stream if background else None
-            if stream is None:
-                fresh = self.device.allocate(placement.nbytes)
-                fresh.copy_(source)
-            else:
-                # The copy is queued on the side stream; ops wait on its event (Placement.wait).
-                stream.wait_stream(torch.cuda.current_stream(self.device.device))
-                with torch.cuda.stream(stream):
-                    fresh = self.device.allocate(placement.nbytes)
-                    fresh.copy_(source, non_blocking=True)
-                    event = cuda_event()
-                    event.record(stream)
-                placement.pending = event
-            swap_in(placement.storage, fresh)
+            # Rule 4 (base.py): the memory is the placement's first, then copied into.
+            swap_in(placement.storage, self._device_memory(placement))
+            try:
+                pending = self.backend.copy_in(placement.storage, source, background=background)
+            except BaseException:
+                self.backend.release(placement.storage)
+                raise
+            placement.pending = None if pending is DONE else pending
             placement.host = None
         placement.tier = "device"
         return time.perf_counter() - start
@@ -285,12 +287,12 @@ class Movers:
         reason = self.damage(placement)
         if reason is not None and lost == "keep":
             return reason
-        if self.device.is_cpu or reason is not None:
+        if self.maps_files or reason is not None:
             region = placement.region
             if region is not None or reason is not None:
-                fresh = new_storage(placement.nbytes, self.device.device)
+                fresh = self._device_memory(placement)
                 if reason is None:
-                    fresh.copy_(placement.storage)
+                    fresh.copy_(placement.storage)  # both are the CPU's memory
                 else:
                     tensor_over(fresh, torch.uint8, (placement.nbytes,)).fill_(0xFF)
                 swap_in(placement.storage, fresh)

@@ -30,6 +30,7 @@ from typing import Any
 import torch
 
 from tensorscope._engine import FAST
+from tensorscope._layout import FAST_OPS, INFLIGHT, SLOW_OPS, PlacementFields
 from tensorscope.residency import disk
 
 __all__ = ["ENGINE", "arena", "claim", "counters", "drop", "publish", "quiet", "set_policy"]
@@ -94,7 +95,8 @@ def publish(placement: Any, create: bool = True) -> None:
     fast = on_device and placement.pending is None
     fd = -1
     region = placement.region
-    if fast and region is not None and placement.storage.device.type == "cpu":
+    # Where the region is the storage's memory (a CPU device), not a copy of it.
+    if fast and region is not None and placement.storage.data_ptr() == region.address:
         file = region.file
         # An offload arena (disk.Arena: a canary after its data) and not a checkpoint file.
         if getattr(file, "_canary", None) is not None and file.cut is None and not region.readonly:
@@ -102,7 +104,8 @@ def publish(placement: Any, create: bool = True) -> None:
             arena(file)
         else:
             fast = False  # a checkpoint file: its check is Python's
-    ENGINE.res_set(placement.key, placement.uid, fast, on_device, fd, create)
+    fields = PlacementFields(uid=placement.uid, fast=fast, on_device=on_device, fd=fd)
+    ENGINE.res_set(placement.key, fields, create)
 
 
 def drop(placement: Any) -> None:
@@ -136,12 +139,12 @@ def counters() -> tuple[int, int]:
     """(ops run by the fast path, ops handed to Python) so far, on all threads."""
     if ENGINE is None:
         return 0, 0
-    return int(ENGINE.res_counter("fast", 0)), int(ENGINE.res_counter("slow", 0))
+    return int(ENGINE.res_counter(FAST_OPS, 0)), int(ENGINE.res_counter(SLOW_OPS, 0))
 
 
 def in_flight() -> int:
     """Fast ops running now, on all threads."""
-    return 0 if ENGINE is None else int(ENGINE.res_counter("inflight", 0))
+    return 0 if ENGINE is None else int(ENGINE.res_counter(INFLIGHT, 0))
 
 
 if ENGINE is not None:  # the fast path checks arenas' canaries: follow them as they move

@@ -6,75 +6,97 @@ before anything touches its mapping), and the bytes of the results it will creat
 After the op: the results are registered when they are to be managed, and the policy's
 demotions and prefetches are applied. A multi-tensor op too large for the budget runs in groups
 that fit (``split.py``).
+
+The op path talks to the manager through the public methods it declares in ``OpPathManager``
+(manager.py's NOTE [the op path's interface]): it holds the manager's lock for the op's
+preparation and its accounting and lets it go while the op computes, pins through
+``manager.pinned`` (never counting pins itself), and counts each op through the manager's tally
+(tally.py), the same count the C++ fast path's log is replayed by.
 """
 
 from __future__ import annotations
 
 import contextlib
+import threading
 import time
-from collections.abc import Hashable
-from typing import TYPE_CHECKING, Any
+from collections.abc import Sequence
+from typing import Any, Protocol
 
 import torch
 
-from tensorscope._intercept import GRAD_CANDIDATE, MUTATING, accumulate_grad_leaf
+from tensorscope._adopt import accumulate_grad_leaf
+from tensorscope._optable import (
+    GRAD_CANDIDATE,
+    MUTATING,
+    OVERWRITES,
+    SETS_STORAGE,
+    TABLE,
+    OpInfo,
+    op_info,
+)
 from tensorscope._torch import no_dispatch, storage_address
 from tensorscope._units import format_bytes
 from tensorscope.errors import OutOfBudgetError
-from tensorscope.policies import OpView
+from tensorscope.graph.order import ModuleOrder
+from tensorscope.graph.record import Recorder
+from tensorscope.policies import Action, OpView, Policy
 from tensorscope.residency import room, split, watch
+from tensorscope.residency.cadence import Cadence
 from tensorscope.residency.estimate import Estimates, call, result_sizes, tensors, to_meta
-from tensorscope.residency.movers import lost_error
+from tensorscope.residency.ledger import Ledger
+from tensorscope.residency.movers import Movers, lost_error
+from tensorscope.residency.pace import Pace
+from tensorscope.residency.pins import Pins, Unlocked
 from tensorscope.residency.placement import Placement
 from tensorscope.residency.room import Blocked
+from tensorscope.residency.tally import Tally
+from tensorscope.residency.tiers import TierName
 
-if TYPE_CHECKING:
-    from tensorscope.residency.manager import ResidencyManager
+__all__ = ["OpPath", "OpPathManager"]
 
-__all__ = ["OpPath"]
-
-_SWEEP_EVERY = 64  # ops between sweeps of placements nothing else holds any more
-_WAIT_S = 0.05  # re-check for room this often while other threads' ops hold it
+_CAT = torch.ops.aten.cat.default
 
 
-_aten = torch.ops.aten
-_CAT = _aten.cat.default
-# ``t.set_(source)``: ``t`` takes another storage (its own is left to whoever else holds it).
-_SETS = frozenset(
-    getattr(_aten.set_, name)
-    for name in _aten.set_.overloads()  # type: ignore[no-untyped-call]
-)
-# In-place ops whose result does not depend on the destination's old bytes.
-_OVERWRITES = frozenset(
-    {
-        _aten.copy_.default,
-        _aten.fill_.Scalar,
-        _aten.fill_.Tensor,
-        _aten.zero_.default,
-        _aten.normal_.default,
-        _aten.uniform_.default,
-        *_SETS,
-    }
-)
+class OpPathManager(Protocol):
+    """What the op path asks of the manager (``ResidencyManager`` provides it)."""
+
+    ledger: Ledger
+    cadence: Cadence
+    pace: Pace
+    order: ModuleOrder
+    tally: Tally
+
+    @property
+    def lock(self) -> threading.RLock: ...
+    @property
+    def budget_bytes(self) -> int | None: ...
+    @property
+    def policy(self) -> Policy: ...
+    @property
+    def tiers(self) -> tuple[TierName, ...]: ...
+
+    def pinned(self, placements: Sequence[Placement], wake: bool = True) -> Pins: ...
+    def unlocked(self) -> Unlocked: ...
+    def room_freed(self) -> None: ...
+    def sync_ops(self) -> None: ...
+    def begin_op(self, reserved: int) -> None: ...
+    def end_op(self, reserved: int) -> None: ...
+    def recorder(self) -> Recorder: ...
+    def check_fits(self, nbytes: int, what: str) -> None: ...
+    def make_room(self, needed: int, what: str, *, holding_pins: bool = False) -> None: ...
+    def movers(self) -> Movers: ...
+    def promote_placement(self, placement: Placement, checked: bool = False) -> None: ...
+    def replace_lost(self, placement: Placement) -> None: ...
+    def relocate(self, placement: Placement) -> None: ...
+    def add(self, placement: Placement) -> None: ...
+    def landed_late(self) -> None: ...
+    def apply(self, actions: list[Action]) -> None: ...
 
 
-_NAMES: dict[Any, str] = {}  # op -> str(op), for messages and policies (a few us each time)
-
-
-def _name(func: Any) -> str:
-    try:
-        name = _NAMES.get(func)
-    except TypeError:  # not hashable: not an OpOverload
-        return str(func)
-    if name is None:
-        name = _NAMES[func] = str(func)
-    return name
-
-
-def _overwritten(func: Any, args: tuple[Any, ...]) -> int | None:
+def _overwritten(info: OpInfo, args: tuple[Any, ...]) -> int | None:
     """The storage an op overwrites whole without reading it (``copy_`` into a whole tensor,
     ``fill_``...): its bytes may be lost (``Movers.replace_lost``). None for any other op."""
-    if func not in _OVERWRITES or not args or not isinstance(args[0], torch.Tensor):
+    if not info.flags & OVERWRITES or not args or not isinstance(args[0], torch.Tensor):
         return None
     dest = args[0]
     if dest.layout is not torch.strided or dest.device.type == "meta":
@@ -88,7 +110,7 @@ def _overwritten(func: Any, args: tuple[Any, ...]) -> int | None:
 class OpPath:
     """Runs ops on managed tensors for the manager (see the module docstring)."""
 
-    def __init__(self, manager: ResidencyManager) -> None:
+    def __init__(self, manager: OpPathManager) -> None:
         self.manager = manager
         self.estimates = Estimates()  # result sizes per op signature
 
@@ -121,6 +143,7 @@ class OpPath:
         if not operands and (kind != GRAD_CANDIDATE or not self._grad_of_managed()):
             return call(func, args, kwargs)
         manager = self.manager
+        info = TABLE.get(id(func)) or op_info(func)
         group = 0
         manage_results = False
         if kind != MUTATING:
@@ -144,60 +167,55 @@ class OpPath:
                     [self.run(func, kind, a, k, results_due) for a, k in calls]
                 )
         mutating = kind == MUTATING
-        overwritten = _overwritten(func, args) if mutating else None
-        replacing = watch.before_data_change(args[0]) if func in _SETS else None
-        estimate, moved = self._before(func, operands, estimate, slack, mutating, overwritten)
-        try:
-            out = call(func, args, kwargs)
-        except BaseException:
-            self._abort(operands, estimate)
-            raise
-        self._after(func, operands, (estimate, signature), out, manage_results, kind, group, moved)
+        overwritten = _overwritten(info, args) if mutating else None
+        replacing = watch.before_data_change(args[0]) if info.flags & SETS_STORAGE else None
+        tally = manager.tally
+        with manager.lock:
+            estimate, moved = self._prepare(info, operands, estimate, slack)
+            with manager.pinned(operands) as pins:
+                while not self._make_resident(operands, estimate, mutating, info, overwritten):
+                    pins.wait_for_room()  # other threads' ops hold the room: wait for one
+                manager.begin_op(estimate)  # its results' bytes reserved
+                roles = tuple(p.role for p in operands)
+                tally.record(manager.recorder(), manager.order, func, roles, manager.pace.clock())
+                try:
+                    with manager.unlocked():  # the op computes, its operands pinned
+                        if any(placement.pending is not None for placement in operands):
+                            self._wait_for_prefetches(operands)
+                        out = call(func, args, kwargs)
+                except BaseException:
+                    manager.end_op(estimate)
+                    raise  # unpinned as the block ends
+                manager.end_op(estimate)
+                tally.used(operands)
+                if mutating:
+                    for placement in operands:
+                        placement.written = True
+                results: list[Placement] = []
+                if manage_results:
+                    results, made = self._register_results(out, operands, group)
+                    self.estimates.learn(signature, made)
+            # the op is done with its operands: unpinned, waiting threads woken
+            self._decide(info, operands, results, moved)
         if replacing is not None:  # parametrize's original.set_(new): see watch.py
             watch.data_replaced(args[0], replacing)
         return out
 
-    def _before(
-        self,
-        func: Any,
-        operands: list[Placement],
-        estimate: int,
-        slack: int,
-        mutating: bool,
-        overwritten: int | None = None,
+    def _prepare(
+        self, info: OpInfo, operands: list[Placement], estimate: int, slack: int
     ) -> tuple[int, bool]:
-        """Make the op ready to run; returns the bytes reserved for its results, and whether
-        an operand was off the device (the policy then decides after the op: cadence.py)."""
+        """Count the op and check that it can fit (the lock held); returns the bytes to reserve
+        for its results, and whether an operand was off the device (the policy then decides
+        after the op: cadence.py)."""
         manager = self.manager
-        with manager._lock:
-            moved = any(p.tier != "device" for p in operands)
-            manager.sync_ops()  # first the ops the C++ op path ran (native.py)
-            manager.clock += 1
-            manager._since_sweep += 1
-            if manager._since_sweep >= _SWEEP_EVERY:
-                manager.sweep()
-            name = _name(func)
-            need = sum(p.nbytes for p in operands) + estimate - slack
-            manager.check_fits(need, f"op {name} (operands and results)")
-            budget = manager.budget_bytes
-            if budget is not None:  # never refuse an op for the slack alone
-                estimate -= slack - max(0, min(slack, budget - need))
-            while not self._make_resident(operands, estimate, mutating, name, overwritten):
-                manager._room.wait(_WAIT_S)  # other threads' ops hold the room: wait for one
-            manager.ledger.reserved += estimate
-            manager.in_flight += 1
-            recorder = manager.recorder()
-            iterations = recorder.iterations
-            roles = tuple(p.role for p in operands)
-            recorder.record(func, roles, manager.pace.clock())
-            if recorder.iterations != iterations:
-                manager.iteration_end()  # a repeated forward began a new iteration
-            manager.order.advance(roles)  # kept current: a trace may diverge at any op
-        if any(placement.pending is not None for placement in operands):
-            started = time.perf_counter()
-            for placement in operands:
-                placement.wait()
-            manager.pace.stalled(time.perf_counter() - started)
+        moved = any(p.tier != "device" for p in operands)
+        manager.sync_ops()  # first the ops the C++ op path ran (native.py)
+        manager.tally.tick()
+        need = sum(p.nbytes for p in operands) + estimate - slack
+        manager.check_fits(need, f"op {info.label} (operands and results)")
+        budget = manager.budget_bytes
+        if budget is not None:  # never refuse an op for the slack alone
+            estimate -= slack - max(0, min(slack, budget - need))
         return estimate, moved
 
     def _make_resident(
@@ -205,14 +223,12 @@ class OpPath:
         operands: list[Placement],
         estimate: int,
         mutating: bool,
-        name: str,
+        info: OpInfo,
         overwritten: int | None = None,
     ) -> bool:
-        """Pin the operands and make them resident, with room for the results; False (and
-        nothing pinned) when only other threads' ops in flight can free the room."""
+        """Make the (pinned) operands resident, with room for the results; False when only
+        other threads' ops in flight can free the room."""
         manager = self.manager
-        for placement in operands:
-            placement.pins += 1
         try:
             movers = manager.movers()
             renewed: list[Placement] = []
@@ -222,7 +238,7 @@ class OpPath:
                 renewed.append(placement)  # lost, but the op overwrites all of it
             missing = [p for p in operands if p.tier != "device" or p in renewed]
             needed = sum(p.nbytes for p in missing if p.tier != "device") + estimate
-            manager.make_room(needed, f"op {name}", holding_pins=True)
+            manager.make_room(needed, f"op {info.label}", holding_pins=True)
             for placement in missing:
                 if placement in renewed:
                     manager.replace_lost(placement)
@@ -233,108 +249,72 @@ class OpPath:
                     if placement.region is not None and placement.region.readonly:
                         manager.relocate(placement)
         except Blocked:
-            for placement in operands:
-                placement.pins -= 1
             return False
-        except BaseException:
-            for placement in operands:
-                placement.pins -= 1
-            manager._room.notify_all()
-            raise
         return True
 
-    def _abort(self, operands: list[Placement], estimate: int) -> None:
-        manager = self.manager
-        with manager._lock:
-            manager.ledger.reserved -= estimate
-            manager.in_flight -= 1
-            for placement in operands:
-                placement.pins -= 1
-            manager._room.notify_all()
+    def _wait_for_prefetches(self, operands: list[Placement]) -> None:
+        started = time.perf_counter()
+        for placement in operands:
+            placement.wait()
+        self.manager.pace.stalled(time.perf_counter() - started)
 
-    def _after(
-        self,
-        func: Any,
-        operands: list[Placement],
-        estimated: tuple[int, Hashable | None],
-        out: Any,
-        manage_results: bool,
-        kind: int,
-        group: int,
-        moved: bool,
+    def _decide(
+        self, info: OpInfo, operands: list[Placement], results: list[Placement], moved: bool
     ) -> None:
+        """After the op (the lock held): room for results the estimate missed, and the
+        policy's demotions and prefetches, at the ops where it decides (cadence.py)."""
         manager = self.manager
-        estimate, signature = estimated
-        with manager._lock:
-            ledger = manager.ledger
-            ledger.reserved -= estimate
-            manager.in_flight -= 1
-            clock = manager.clock
-            for placement in operands:
-                placement.last_use = clock
-                if kind == MUTATING:
-                    placement.written = True
-            results: list[Placement] = []
-            if manage_results:
-                results, made = self._register_results(out, operands, group)
-                self.estimates.learn(signature, made)
-            for placement in operands:  # the op is done with them
-                placement.pins -= 1
-            manager._room.notify_all()
-            budget = manager.budget_bytes
-            if budget is not None and ledger.device_total > budget:
-                manager.make_room(0, f"op {func} (results)")  # the estimate was short
-            manager.landed_late()  # placements the fast path may take again
-            policy = manager.policy
-            recorder = manager.recorder()
-            cadence = manager.cadence
-            horizon = None
-            busy = (*operands, *results)
-            key = None
-            if budget is not None and cadence.coarse(policy, budget, recorder):
-                if not results and cadence.skips(clock, moved):
-                    cadence.passed(clock)
-                    return
-                horizon = cadence.decided(recorder, ledger, budget, clock)
-                busy_uids = tuple(p.uid for p in busy)
-                key = cadence.key(recorder.position, ledger, busy_uids, manager.pace.read_rate)
-                remembered = cadence.recall(key)
-                if remembered is not None:
-                    manager.apply(remembered)
-                    manager._room.notify_all()
-                    return
-            elif cadence.decide_at:
-                cadence.every_op()
-            for placement in busy:  # the policy sees them as in use while it decides
-                placement.pins += 1
-            try:
-                wants = getattr(policy, "wants_snapshot_after_op", True)
-                snapshot = None
-                if wants:
-                    snapshot = room.snapshot(
-                        ledger,
-                        recorder,
-                        budget,
-                        clock,
-                        True,
-                        manager.pace.read_rate,
-                        manager.order,
-                        horizon,
-                    )
-                view = OpView(
-                    _name(func),
-                    tuple(p.uid for p in operands),
-                    tuple(p.uid for p in results),
-                    snapshot,
+        ledger = manager.ledger
+        clock = manager.tally.clock
+        budget = manager.budget_bytes
+        if budget is not None and ledger.device_total > budget:
+            manager.make_room(0, f"op {info.label} (results)")  # the estimate was short
+        manager.landed_late()  # placements the fast path may take again
+        policy = manager.policy
+        recorder = manager.recorder()
+        cadence = manager.cadence
+        horizon = None
+        busy = (*operands, *results)
+        key = None
+        if budget is not None and cadence.coarse(policy, budget, recorder):
+            if not results and cadence.skips(clock, moved):
+                cadence.passed(clock)
+                return
+            horizon = cadence.decided(recorder, ledger, budget, clock)
+            busy_uids = tuple(p.uid for p in busy)
+            key = cadence.key(recorder.position, ledger, busy_uids, manager.pace.read_rate)
+            remembered = cadence.recall(key)
+            if remembered is not None:
+                manager.apply(remembered)
+                manager.room_freed()
+                return
+        elif cadence.decide_at:
+            cadence.every_op()
+        snapshot = None
+        # the policy sees them as in use while it decides (waiters are woken after apply)
+        with manager.pinned(busy, wake=False):
+            if getattr(policy, "wants_snapshot_after_op", True):
+                snapshot = room.snapshot(
+                    ledger,
+                    recorder,
+                    budget,
+                    clock,
+                    True,
+                    manager.pace.read_rate,
+                    manager.order,
+                    horizon,
                 )
-                actions = policy.after_op(view)
-            finally:
-                for placement in busy:
-                    placement.pins -= 1
-            if key is not None and snapshot is not None:
-                cadence.remember(key, actions, snapshot)
-            manager.apply(actions)
-            manager._room.notify_all()
+            view = OpView(
+                info.label,
+                tuple(p.uid for p in operands),
+                tuple(p.uid for p in results),
+                snapshot,
+            )
+            actions = policy.after_op(view)
+        if key is not None and snapshot is not None:
+            cadence.remember(key, actions, snapshot)
+        manager.apply(actions)
+        manager.room_freed()
 
     def _register_results(
         self, out: Any, operands: list[Placement], group: int
@@ -355,7 +335,7 @@ class OpPath:
             found = ledger.placements.get(storage_address(tensor))
             if found is None:
                 placement = Placement(tensor.untyped_storage(), ("new", position, index), group)
-                placement.last_use = manager.clock
+                placement.last_use = manager.tally.clock
                 self._fit(placement)
                 manager.add(placement)
                 made += placement.nbytes

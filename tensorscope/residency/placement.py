@@ -18,6 +18,7 @@ import torch
 
 from tensorscope._torch import storage_use_count
 from tensorscope.residency import native
+from tensorscope.residency.backends import Pending
 from tensorscope.residency.mapping import DiskRegion
 from tensorscope.residency.tiers import TierName
 
@@ -54,12 +55,13 @@ class Placement:
         self.nbytes = storage.nbytes()
         self.tier: TierName = "device"
         self._region: DiskRegion | None = None  # the disk copy (CPU device: the memory itself)
-        self.host: torch.UntypedStorage | None = None  # pinned copy (CUDA device only)
+        self.host: torch.UntypedStorage | None = None  # host copy (backends with a host tier)
         self.role: Hashable = self.uid if role is None else role  # identity across iterations
         self.group = group  # uid of the parameter this belongs to (its grad, optimizer state)
         self.last_use = -1
-        # A prefetch in flight: a thread's Event (CPU) or a CUDA event on the copy stream.
-        self.pending: threading.Event | torch.cuda.Event | None = None
+        # A move in flight: a prefetch thread's Event (CPU), or the backend's copy (a prefetch
+        # to the device, a demotion to the host: base.py's NOTE [the copy rules]).
+        self.pending: threading.Event | Pending | None = None
         self.written = False
         self.pins = 0  # ops in flight (on any thread) that use it: it must stay on the device
         # The objects of a managed parameter/buffer (the module's, and aliases made by
@@ -81,19 +83,17 @@ class Placement:
         """Whether anything but this placement still holds the storage."""
         return storage_use_count(self.key) > 1
 
-    def wait(self) -> None:
-        """Block until a prefetch of this placement (if any) has landed.
-
-        For a CUDA copy this makes the current stream wait for the copy stream, without
-        blocking the host.
-        """
+    def wait(self, host: bool = False) -> None:
+        """Wait for a move of this placement in flight (if any): its bytes are where its tier
+        says for the ops queued after this on the current stream (a copy: the stream waits for
+        it, the host goes on), or, with ``host``, for the host itself, which reads them next."""
         pending = self.pending
         if pending is None:
             return
-        if isinstance(pending, threading.Event):
-            pending.wait()
+        if host and not isinstance(pending, threading.Event):
+            pending.synchronize()
         else:
-            torch.cuda.current_stream().wait_event(pending)
+            pending.wait()
         self.pending = None
         native.publish(self, create=False)  # on the fast path again (if managed still)
 

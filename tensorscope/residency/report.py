@@ -45,6 +45,13 @@ class ResidencyReport:
     # report was made (everything the process holds there, managed or not); None elsewhere.
     device_reserved_bytes: int | None = None
     device_allocated_bytes: int | None = None
+    # With a host tier (CUDA): pinned host memory the backend holds for copies now, its limit
+    # (TENSORSCOPE_PINNED_LIMIT), and the copies that went through pageable memory instead
+    # since the process started (the pool was exhausted, or pinning failed: the latest reason).
+    pinned_bytes: int | None = None
+    pinned_limit_bytes: int | None = None
+    pageable_copies: int = 0
+    pageable_reason: str | None = None
 
     @property
     def peak_bytes(self) -> int:
@@ -72,6 +79,15 @@ class ResidencyReport:
                 f"  the device's allocator: {format_bytes(self.device_reserved_bytes)} reserved, "
                 f"{format_bytes(self.device_allocated_bytes or 0)} allocated (all tensors)"
             )
+        if self.pinned_bytes is not None:
+            limit = format_bytes(self.pinned_limit_bytes or 0)
+            line = f"  pinned host memory: {format_bytes(self.pinned_bytes)} (limit {limit})"
+            if self.pageable_copies:
+                line += (
+                    f"; {self.pageable_copies} copies through pageable memory instead "
+                    f"({self.pageable_reason})"
+                )
+            lines.append(line)
         if self.read_rate is not None:
             lines.append(f"  disk reads measured at {self.read_rate / 1e9:.2f} GB/s")
         if self.checkpoint_placements or self.converted:

@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 
+from tensorscope._optable import op_info
 from tensorscope._torch import no_dispatch
 
 __all__ = [
@@ -35,27 +36,10 @@ __all__ = [
     "slice_call",
 ]
 
-_LIST_TYPES = ("List[Tensor]", "List[Optional[Tensor]]", "List[number]", "List[float]")
-_splittable: dict[Any, tuple[int, ...] | None] = {}
-
 
 def _list_positions(func: Any) -> tuple[int, ...] | None:
     """Positions of the per-index list arguments of a multi-tensor op (None: not one)."""
-    if func in _splittable:
-        return _splittable[func]
-    schema = func._schema
-    positions: tuple[int, ...] | None = None
-    if schema.name.startswith(("aten::_foreach_", "aten::_fused_", "aten::_amp_foreach_")):
-        found = tuple(
-            index
-            for index, argument in enumerate(schema.arguments)
-            if str(argument.type) in _LIST_TYPES
-            or (argument.name == "scalars" and str(argument.type) == "Tensor")
-        )
-        returns_ok = all(str(r.type) == "List[Tensor]" for r in schema.returns)
-        positions = found if found and returns_ok else None
-    _splittable[func] = positions
-    return positions
+    return op_info(func).lists
 
 
 def is_multi_tensor(func: Any) -> bool:

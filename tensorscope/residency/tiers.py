@@ -1,14 +1,7 @@
-"""Where bytes live: tier names, the device and host tiers, and the C heap's free memory.
+"""Where bytes live: tier names, a storage's memory exchanged in place, the C heap's free memory.
 
-A tier holds the bytes of managed storages and gives them back; the manager decides which tier
-a placement should be on, tiers only hold bytes. The disk tier is ``disk.py``.
-
-# NOTE [CUDA]
-# With a CUDA device, demoting copies device bytes to a pinned host buffer (host tier) or to a
-# disk region, then swaps the storage's data pointer with an empty storage so the caching
-# allocator gets the memory back; promoting allocates device memory, copies on a side stream and
-# swaps it in. Only the manager's interception guarantees that nothing reads a demoted CUDA
-# storage; it is the thin, standard path (``non_blocking`` copies, pinned buffers, events).
+The manager decides which tier a placement should be on; the device backend
+(``residency/backends``) allocates and copies its bytes, the disk tier is ``disk.py``.
 """
 
 from __future__ import annotations
@@ -28,8 +21,6 @@ if TYPE_CHECKING:
 
 __all__ = [
     "TIER_ORDER",
-    "DeviceTier",
-    "HostTier",
     "TierName",
     "empty_storage",
     "free_heap_bytes",
@@ -102,28 +93,3 @@ def move_into_file(disk: DiskTier, storage: torch.UntypedStorage) -> DiskRegion:
     region = disk.store(storage.data_ptr(), storage.nbytes())
     swap_in(storage, region.storage())
     return region
-
-
-class HostTier:
-    """Pinned host memory for a CUDA device (skipped when the device is the CPU)."""
-
-    name: TierName = "host"
-
-    def allocate(self, nbytes: int) -> torch.UntypedStorage:
-        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True).untyped_storage()
-
-
-class DeviceTier:
-    """The compute device: CUDA when present (or asked for), else the CPU."""
-
-    name: TierName = "device"
-
-    def __init__(self, device: torch.device) -> None:
-        self.device = device
-
-    @property
-    def is_cpu(self) -> bool:
-        return self.device.type == "cpu"
-
-    def allocate(self, nbytes: int) -> torch.UntypedStorage:
-        return new_storage(nbytes, self.device)

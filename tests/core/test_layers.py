@@ -26,11 +26,13 @@ PACKAGE = Path(tensorscope.__file__).parent
 # Lowest first. A package ("residency") is one unit here; inside it only cycles are checked.
 LAYERS: list[tuple[str, ...]] = [
     ("errors", "_fast", "_storage"),  # the exception hierarchy; the C++ engine; the storage door
-    ("_units", "policies", "graph"),  # pure Python: no torch plumbing
+    # pure Python: no torch plumbing; what the C++ engine and Python share (its layout)
+    ("_units", "policies", "graph", "_layout"),
     ("_engine",),  # the C++ scope engine, when built
     # typed doors to torch internals; creation sites; our global optimizer-step hooks
-    # what copies of a module leave out (hooks and attributes of ours); doors to FSDP2/DDP
-    ("_torch", "_sites", "_step_hooks", "_copies", "_sharded"),
+    # what copies of a module leave out (hooks and attributes of ours); the op table; the
+    # base of our torch modes; doors to FSDP2/DDP
+    ("_torch", "_sites", "_step_hooks", "_copies", "_optable", "_modes", "_sharded"),
     ("_state", "_slot"),  # ref records and the owner contract; the residency slot
     ("_thread",),  # per-thread state
     ("_plain", "_reach"),  # plain-tensor protocols of refs; tensors reachable from a value
@@ -47,7 +49,8 @@ LAYERS: list[tuple[str, ...]] = [
     ("loading",),  # ts.manage(checkpoint=...)
     ("manage",),  # ts.manage()
     ("checkpoint", "memory", "plan"),  # rotor; RSS sampling; the memory plan of a step
-    # ts.fit: one plan of a training step under a byte budget; activation offload (offload*.py)
+    # ts.fit: one plan of a training step under a byte budget; activation offload (offload*.py);
+    # the LM head and loss in row chunks (chunkloss.py; headform.py, pure; causal_lm.py)
     ("fit",),
     # `tensorscope demo`; callbacks for other libraries (HF Trainer); `tensorscope check`
     ("demo", "integrations", "check"),
@@ -58,6 +61,8 @@ RANK = {unit: rank for rank, units in enumerate(LAYERS) for unit in units}
 # The order inside a package, lowest first ("__init__": the package's face, on top).
 INSIDE: dict[str, list[tuple[str, ...]]] = {
     "residency": [
+        # what differs per device: allocations, copies, events, pinned staging (API §12)
+        ("backends",),
         # settings, estimates, mapped files, tier names, the disk's pace, the module watchers
         ("config", "estimate", "integrity", "mapping", "pace", "report", "split", "tempdirs"),
         ("tiers", "watch", "checkpoint_files", "signals"),
@@ -66,7 +71,8 @@ INSIDE: dict[str, list[tuple[str, ...]]] = {
         ("disk",),
         ("native",),  # the C++ op path's mirror of the ledger
         ("placement",),
-        ("ledger", "movers", "prefetch"),  # where bytes are counted; byte moves; prefetch threads
+        # where bytes are counted; byte moves; prefetch threads; where ops are counted; pins
+        ("ledger", "movers", "prefetch", "tally", "pins"),
         ("cadence", "modules", "room"),  # when the policy decides; ts.manage's modules; room
         ("oppath",),  # what runs around every op on managed tensors
         ("managed", "manager"),  # managed parameters' classes; the manager

@@ -19,6 +19,7 @@ PACKAGE_ROOT = Path(__file__).resolve().parents[2] / "tensorscope"
 PURE = [
     "tensorscope.errors",
     "tensorscope._units",
+    "tensorscope._layout",
     "tensorscope.checkpoint",
     "tensorscope.checkpoint.chain",
     "tensorscope.checkpoint.find",
@@ -32,6 +33,7 @@ PURE = [
     "tensorscope.graph.analysis",
     "tensorscope.graph.order",
     "tensorscope.graph.record",
+    "tensorscope.residency.tally",
     "tensorscope.plan.data",
     "tensorscope.plan.analysis",
     "tensorscope.plan.model",
@@ -43,6 +45,7 @@ PURE = [
     "tensorscope.fit.decide",
     "tensorscope.fit.report",
     "tensorscope.fit.offload_rules",
+    "tensorscope.fit.headform",
     "tensorscope.fit.phase",
 ]
 

@@ -162,7 +162,7 @@ def test_copies_saves_and_state_dict_loads_of_placed_parameters(budgets: tuple[i
     try:
         for k in range(3):
             assert _step(model, opt, data[k], k) == _step(ref, ref_opt, data[k], k)
-        placer = fit._placer
+        placer = fit._place.placer
         assert placer is not None and placer.placed and placer.placed_nbytes > 0
         copied = copy.deepcopy(model)
         buffer = io.BytesIO()

@@ -17,7 +17,10 @@ from tensorscope.fit.statestore import MIN_SPILL_BYTES, StateStore
 
 from .fit_helpers import batches, differing, optimizer, step, tight_state_budget, tiny, twin
 
-pytestmark = pytest.mark.engine_independent  # ts.fit outside scopes (checked)
+pytestmark = [
+    pytest.mark.engine_independent,  # ts.fit outside scopes (checked)
+    pytest.mark.strict,  # moves data through the device backend (tests/conftest.py)
+]
 
 
 def _state_equal(a: torch.optim.Optimizer, b: torch.optim.Optimizer) -> None:
@@ -61,7 +64,8 @@ def test_state_offloaded_when_only_that_fits(name: str, kind: str, clip: float |
     assert d.free_gradients is (clip is None)
     assert not any(c.fits for c in d.candidates if not c.base.state_offloaded)
     assert fit.plan_after is not None and fit.plan_after.peak_bytes <= budget
-    assert "optimizer state in the disk tier between updates" in fit.explain()
+    below = ts.residency.tiers[1]  # the tier below the CPU's backend: "disk"
+    assert f"optimizer state in the {below} tier between updates" in fit.explain()
     _state_equal(opt, ropt)  # state_dict() reads the state back, bit for bit
     fit.remove()
     assert all(v.device.type == "cpu" for s in opt.state.values() for v in s.values())

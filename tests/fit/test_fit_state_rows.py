@@ -18,7 +18,10 @@ from tensorscope.fit.statestore import StateStore, row_safe
 
 from .fit_helpers import batches, big_vocabulary, differing, optimizer, step, twin
 
-pytestmark = pytest.mark.engine_independent  # ts.fit outside scopes (checked)
+pytestmark = [
+    pytest.mark.engine_independent,  # ts.fit outside scopes (checked)
+    pytest.mark.strict,  # moves data through the device backend (tests/conftest.py)
+]
 
 OPTIMIZERS: dict[str, Callable[[Iterator[nn.Parameter]], torch.optim.Optimizer]] = {
     "adamw": lambda ps: torch.optim.AdamW(ps, lr=1e-3, weight_decay=0.01),

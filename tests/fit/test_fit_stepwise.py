@@ -138,6 +138,7 @@ def _least_kept(monkeypatch: pytest.MonkeyPatch, stepwise: bool) -> int:
 @pytest.mark.filterwarnings(
     "ignore:.*(the measuring step|first step):tensorscope.errors.FitWarning"
 )
+@pytest.mark.strict  # the state moves one parameter at a time (tests/conftest.py)
 def test_fit_with_clipping_steps_one_parameter_at_a_time_when_only_that_fits(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

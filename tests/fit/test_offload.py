@@ -22,7 +22,10 @@ from tensorscope.fit.offload import ActivationOffloader, offload_blocks
 
 from ._support import assert_same, grads, mlp, mlp_input, released, run_plain
 
-pytestmark = pytest.mark.engine_independent  # ts.fit outside scopes (checked)
+pytestmark = [
+    pytest.mark.engine_independent,  # ts.fit outside scopes (checked)
+    pytest.mark.strict,  # moves data through the device backend (tests/conftest.py)
+]
 
 
 def _step(model: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
@@ -219,6 +222,7 @@ def test_inside_a_scope(moved: bool) -> None:
     assert_same(grads(model), expected)
 
 
+@pytest.mark.cpu_backend  # the disk tier's files
 def test_remove_restores_the_modules_and_files_go() -> None:
     model, x = mlp(), mlp_input()
     before = [(len(b._forward_pre_hooks), len(b._forward_hooks)) for b in model.blocks]

@@ -11,7 +11,10 @@ from tensorscope.fit.offload import offload_blocks
 
 from ._support import assert_same, blocks_of, grads, hf_input, hf_model, released
 
-pytestmark = pytest.mark.engine_independent  # ts.fit outside scopes (checked)
+pytestmark = [
+    pytest.mark.engine_independent,  # ts.fit outside scopes (checked)
+    pytest.mark.strict,  # moves data through the device backend (tests/conftest.py)
+]
 
 pytest.importorskip("transformers")
 

@@ -106,6 +106,7 @@ def test_flow_asks_for_everything_used_before_the_next_decision() -> None:
         assert [e.key for e in Flow().window(snapshot)] == wanted
 
 
+@pytest.mark.strict
 def test_streamed_weights_decide_at_points_not_after_every_op(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -121,6 +122,7 @@ def test_streamed_weights_decide_at_points_not_after_every_op(
     assert len([c for c in clocks if c <= per_iteration]) == per_iteration
 
 
+@pytest.mark.strict
 def test_a_decision_in_a_state_seen_before_is_remembered_not_recomputed(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -187,12 +189,14 @@ def test_a_decision_the_pace_chose_is_not_remembered() -> None:
     assert Cadence.key(4, ledger, (1,), None) != Cadence.key(4, ledger, (2,), None)
 
 
+@pytest.mark.strict
 def test_a_fixed_prefetch_limit_decides_after_every_op(monkeypatch: pytest.MonkeyPatch) -> None:
     clocks, outputs, ops = _streamed(Flow(prefetch_limit=2), monkeypatch)
     assert all(torch.equal(a, b) for a, b in zip(outputs, _plain(), strict=True))
     assert len(clocks) == ops
 
 
+@pytest.mark.strict
 def test_the_fast_path_decides_at_the_same_ops(monkeypatch: pytest.MonkeyPatch) -> None:
     runs = []
     for off in (True, False):
@@ -235,6 +239,7 @@ def test_the_prefetcher_says_when_a_placement_landed() -> None:
         prefetcher.close()
 
 
+@pytest.mark.strict
 def test_two_threads_streaming_their_own_models_stay_exact_within_the_budget() -> None:
     # One cadence serves both threads' ops: each thread's decisions may come at the other's
     # points; results and the budget must not depend on it.

@@ -83,6 +83,7 @@ def test_manage_without_a_checkpoint_refuses_meta_parameters() -> None:
 
 
 # ------------------------------------------------------------------------ loading, no copy
+@pytest.mark.strict
 def test_a_single_file_is_placed_in_place_without_reading_it(tmp_path: Path) -> None:
     path = tmp_path / "model.safetensors"
     reference = _saved_mlp(path)
@@ -125,6 +126,7 @@ def test_a_sharded_directory_with_an_index_loads(tmp_path: Path) -> None:
     handle.remove()
 
 
+@pytest.mark.strict
 def test_another_stored_dtype_is_converted_once_into_an_offload_file(tmp_path: Path) -> None:
     path = tmp_path / "model.safetensors"
     reference = _saved_mlp(path, dtype=torch.bfloat16)
@@ -202,6 +204,7 @@ def test_a_checkpoint_changed_on_disk_while_mapped_raises_at_the_next_op(tmp_pat
         ts.residency.reset()
 
 
+@pytest.mark.strict
 def test_a_training_step_never_writes_the_checkpoint(tmp_path: Path) -> None:
     path = tmp_path / "model.safetensors"
     reference = _saved_mlp(path)
@@ -253,6 +256,7 @@ def _tiny(kind: str) -> object:
     )
 
 
+@pytest.mark.strict
 @pytest.mark.parametrize("guess", [False, True], ids=["recorded", "module-order-guess"])
 @pytest.mark.parametrize("kind", ["llama", "gpt2", "bert"])
 def test_transformers_models_match_from_pretrained(

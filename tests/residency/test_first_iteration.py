@@ -68,6 +68,7 @@ def _first_forward_tiers(path: Path, x: torch.Tensor) -> tuple[list[str], torch.
     return tiers, out, report.prefetches
 
 
+@pytest.mark.strict
 def test_the_first_forward_reads_the_next_layers_ahead(tmp_path: Path) -> None:
     path = tmp_path / "stack.safetensors"
     x, expected = _stack(path)
@@ -78,6 +79,7 @@ def test_the_first_forward_reads_the_next_layers_ahead(tmp_path: Path) -> None:
     assert prefetched >= 5
 
 
+@pytest.mark.strict
 def test_without_the_guess_each_weight_waits_for_its_op(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -89,6 +91,7 @@ def test_without_the_guess_each_weight_waits_for_its_op(
     assert tiers == ["disk"] * 6 and prefetched == 0
 
 
+@pytest.mark.strict
 def test_weights_already_used_are_evicted_before_those_read_ahead(tmp_path: Path) -> None:
     path = tmp_path / "stack.safetensors"
     x, _ = _stack(path)

@@ -59,6 +59,7 @@ def _observed(clock0: int) -> tuple[int, list[object], list[tuple[object, ...]],
 
 
 @pytest.mark.parametrize("budget", [None, 10 * MiB])
+@pytest.mark.strict
 def test_resident_ops_give_the_python_paths_results_and_records(budget: int | None) -> None:
     expected = _run(_model())
     observed = []
@@ -85,6 +86,7 @@ def test_resident_ops_give_the_python_paths_results_and_records(budget: int | No
     assert fast_run == slow_run  # clock, trace, keys and last uses alike
 
 
+@pytest.mark.strict
 def test_a_placement_off_the_device_sends_ops_to_python_and_the_budget_holds() -> None:
     model = _model()
     expected = _run(_model())
@@ -120,6 +122,7 @@ def test_a_truncated_arena_under_a_resident_weight_raises_not_crashes() -> None:
     del handle
 
 
+@pytest.mark.strict
 def test_scopes_and_optimizer_steps_take_the_python_path() -> None:
     model = _model()
     ts.residency.configure(device="cpu", policy="flow", budget=None)
@@ -138,6 +141,7 @@ def test_scopes_and_optimizer_steps_take_the_python_path() -> None:
     handle.remove()
 
 
+@pytest.mark.strict
 def test_two_threads_with_resident_models_stay_exact() -> None:
     models = [_model(), _model()]
     expected = _run(_model())
@@ -175,6 +179,7 @@ def _forked_matmul(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return torch.jit.wait(torch.jit.fork(_matmul, x, w))
 
 
+@pytest.mark.strict
 def test_a_thread_that_inherits_the_key_goes_through_the_manager() -> None:
     """torch hands a thread's dispatch keys to the threads that work for it: autograd's device
     threads (a CUDA backward), TorchScript's fork (here, on the CPU). Such a thread never

@@ -4,11 +4,13 @@ when a decision frees gradients (NOTE [the update inside backward], fit/inbackwa
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 from torch import nn
 
+from tensorscope.fit.gradreaders import listen
 from tensorscope.fit.inbackward import InBackward
 from tensorscope.fit.parts import Decided, Part, Step
 from tensorscope.fit.parts.states import OptimizerStates
@@ -28,6 +30,10 @@ class InBackwardUpdates(Part):
         self.hooks: InBackward | None = None
         self._states = states
         self._optimizer: torch.optim.Optimizer | None = None
+        # NOTE [a step that reads gradients after the recorded one] (fit/gradreaders.py):
+        # told what read gradients this step after updates inside backward had run
+        self.on_late_reader: Callable[[str, int], None] | None = None
+        self._reading: Any = None
 
     def attach(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
         self._optimizer = optimizer
@@ -39,6 +45,25 @@ class InBackwardUpdates(Part):
         if self.hooks is not None:
             self.hooks.remove()
             self.hooks = None
+        if self._reading is not None:
+            self._reading.remove()
+            self._reading = None
+
+    @property
+    def updated_this_step(self) -> int:
+        """Parameters updated inside backward since the step began."""
+        return len(self.hooks.updated) if self.hooks is not None else 0
+
+    def read_all(self, name: str, params: list[torch.Tensor]) -> None:
+        """A gradient reader (``name``, fit/gradreaders.py) is about to read ``params``'
+        gradients: some may have been applied and freed inside backward already."""
+        hooks = self.hooks
+        if hooks is None or not hooks.updated or self.on_late_reader is None:
+            return
+        updated = {id(p) for p in hooks.updated}
+        gone = sum(id(p) in updated for p in params)
+        if gone:
+            self.on_late_reader(f"{name}()", gone)
 
     def decide(self, decided: Decided) -> bool:
         if not decided.decision.free_gradients:
@@ -46,6 +71,7 @@ class InBackwardUpdates(Part):
             return True
         if self.hooks is None and self._optimizer is not None:
             self.hooks = InBackward(self._optimizer)
+            self._reading = listen(self)
         if self.hooks is not None:
             store = self._states.store
             self.hooks.in_rows = store.update_in_rows if self._states.in_rows and store else None
