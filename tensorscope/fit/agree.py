@@ -86,7 +86,8 @@ def slowest(values: Sequence[T]) -> T:
 
 
 def _key(base: StepBase) -> Hashable:
-    return (base.free_gradients, base.state_offloaded, bool(base.placed_bytes))
+    """What tells one way of running the step from another (every choice a base carries)."""
+    return (base.free_gradients, base.state_offloaded, bool(base.placed_bytes), base.chunked_loss)
 
 
 def common_bases(per_rank: Sequence[Sequence[StepBase]]) -> list[StepBase]:

@@ -67,6 +67,15 @@ def test_common_bases_keep_the_first_rank_order_and_the_largest_numbers() -> Non
     assert got[0].seconds == 2.5 and got[0].outside == 900
 
 
+def test_every_way_of_one_rank_is_kept_apart() -> None:
+    # the same gradients and state, the LM loss in chunks or not: two ways, not one
+    chunked = dataclasses.replace(KEPT, chunked_loss=True, at_loss=600, seconds=1.2)
+    placed = dataclasses.replace(FREED, placed_bytes=64)
+    ways = [KEPT, chunked, FREED, placed, MOVED]
+    assert common_bases([ways]) == ways
+    assert common_bases([ways, [chunked, KEPT]]) == [KEPT, chunked]
+
+
 @settings(max_examples=40, deadline=None)
 @given(
     st.lists(
