@@ -10,7 +10,9 @@ each rank saw:
   blocks outside their own backward -- the chain gathers their parameters itself --, updates
   each parameter inside backward on its reduced shard's gradient and keeps the sharded
   optimizer state in the disk tier, and trains bit-identically to plain FSDP2 (losses, weights,
-  optimizer state), on both ranks one schedule; with clipping the same with gradients kept;
+  optimizer state), on both ranks one schedule, the recorded step's peak (shards, gathered
+  parameters and reduce-scatter buffers counted) under the rank's budget; with clipping the
+  same with gradients kept;
 - different budgets on the ranks are agreed to the smallest; a tensorscope error on one rank
   (a bad budget) is raised by ``ts.fit`` on every rank, the same error; a ScheduleError too;
 - ``fully_shard`` after ts.fit, a process group destroyed while a fit is attached: clear errors,
@@ -146,8 +148,10 @@ def _fitted(rank: int, budget: int, clip: bool = False) -> dict[str, Any]:
     model, optimizer = _sharded()
     fit = ts.fit(model, optimizer, budget=budget)
     losses = [_step(model, optimizer, _batch(rank, s), clip) for s in range(STEPS)]
-    assert fit.decision is not None
+    assert fit.decision is not None and fit.plan_after is not None
     out = {
+        "peak": fit.measured_peak(fit.plan_after),  # the recorded step under the decision
+        "categories": sorted({life.category for life in fit.plan_after.lifetimes}),
         "losses": losses,
         "weights": _weights(model),
         "state": _state(optimizer),
@@ -263,6 +267,12 @@ def test_fit_and_record_under_fsdp2() -> None:
     for rank, out in enumerate((one, two)):
         fit, plain = out["fit"], out["plain"]
         assert fit["gathers"] > 0 and fit["free"] and fit["state_moved"], fit["explain"]
+        # the budget is this rank's: its shards, what FSDP2 gathers and reduce-scatters, all
+        # counted in the recorded step, whose peak stays under it
+        assert {"sharded_parameter", "unsharded_parameter", "reduce_scatter"} <= set(
+            fit["categories"]
+        ), fit["categories"]
+        assert fit["peak"] <= fit["budget"], (fit["peak"], fit["budget"], fit["explain"])
         assert fit["losses"] == plain["losses"], f"rank {rank}: losses differ"
         assert fit["weights"] == plain["weights"], f"rank {rank}: weights differ"
         assert fit["state"] == plain["state"], f"rank {rank}: optimizer state differs"
