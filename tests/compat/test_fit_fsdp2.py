@@ -277,6 +277,7 @@ def test_fit_and_record_under_fsdp2() -> None:
         assert fit["weights"] == plain["weights"], f"rank {rank}: weights differ"
         assert fit["state"] == plain["state"], f"rank {rank}: optimizer state differs"
         assert "rank" in fit["explain"] and "FSDP2" in fit["explain"]
+        assert "parameters 0 B" not in fit["explain"]  # the rank's shards, said
         # clipping reads every gradient: kept, the step run one parameter at a time
         clipped, plain = out["fit_clip"], out["plain_clip"]
         assert not clipped["free"] and clipped["state_moved"], clipped["explain"]
