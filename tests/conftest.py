@@ -163,6 +163,17 @@ def _isolation() -> Iterator[None]:
 
 
 @pytest.fixture(autouse=True)
+def _decisions_not_timed_against_load(monkeypatch: pytest.MonkeyPatch) -> None:
+    """ts.fit sets its predicted step time against two measured steps once and decides again
+    when they are far apart (fit/handle.py, NOTE [a prediction measured against]); on a loaded
+    test machine that makes a decision depend on the load. Tests that check a decision keep
+    the one they got; tests/fit/test_fit_retime.py checks the rule itself."""
+    from tensorscope.fit import handle
+
+    monkeypatch.setattr(handle, "TIME_TOLERANCE", float("inf"))
+
+
+@pytest.fixture(autouse=True)
 def _serial(request: pytest.FixtureRequest) -> Iterator[None]:
     """Tests of one ``serial`` name run one at a time across the workers of a run."""
     mark = request.node.get_closest_marker("serial")

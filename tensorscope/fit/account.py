@@ -348,8 +348,8 @@ def step_base(
         300
     """
     state = _Intervals(plan)
-    if free_gradients:
-        _free_gradients(state, [], [])
+    if free_gradients:  # a block's parameters updated together (fit/inbackward.py's NOTE)
+        _free_gradients(state, [], [], () if offload_state else paths)
     n = len(plan.ops)
     ranges = chain_ops(plan, paths) if paths else None
     chain_made = set()

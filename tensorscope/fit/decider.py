@@ -6,7 +6,7 @@ gathers its inputs from torch objects and the parts.
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -45,6 +45,8 @@ class Decider:
     Attributes:
         slack: bytes held back from the chain's share after measured excesses.
         retries: measured excesses so far (the decision is taken again twice at most).
+        outside_scale: the recorded step's time outside the chain is scaled by it (NOTE [a
+            prediction measured against], fit/handle.py).
         atomic: ``ts.fit(..., atomic=True)``: gradients are never freed inside backward.
         across: the ranks' agreement (parts/across.py): every rank's reasons and measurements
             merged before deciding (NOTE [one decision across ranks]); None: one process.
@@ -62,6 +64,7 @@ class Decider:
     slack: int = 0
     retries: int = 0
     across: AcrossRanks | None = None
+    outside_scale: float = 1.0  # NOTE [a prediction measured against]: the step outside the chain
 
     @property
     def optimizer_note(self) -> str | None:
@@ -166,23 +169,23 @@ class Decider:
             names, window, nbytes = self._placeable(plan)
             where = {"placed": names, "placed_window": window}
             extra_s = 3 * nbytes / (self.place.mapping_rate() or 1.0)  # forward, again, backward
-        bases = [] if placed else [step_base(plan, paths, free_gradients=False)]
+        bases = [] if placed else [self._base(plan, paths, free_gradients=False)]
         if free_gradients:
-            bases.append(step_base(plan, paths, free_gradients=True, **where))  # type: ignore[arg-type]
+            bases.append(self._base(plan, paths, free_gradients=True, **where))
         one, tensors = per_parameter_state_bytes(self.optimizer)
         # ts.manage places the state: never both; None: the next tier cannot be written
         bandwidth = self.states.bandwidth() if one and not managed(self.optimizer) else None
         block = self.states.row_block()
         if bandwidth is not None:
             for base in list(bases):
-                moved = step_base(
+                moved = self._base(
                     plan,
                     paths,
                     free_gradients=base.free_gradients,
                     offload_state=True,
                     state_block=block,
                     stepwise=self.states.stepwise_ok,
-                    **(where if base.free_gradients else {}),  # type: ignore[arg-type]
+                    **(where if base.free_gradients else {}),
                 )
                 if moved.offloaded_bytes:
                     seconds = bandwidth.seconds(moved.offloaded_bytes, tensors)
@@ -193,6 +196,13 @@ class Decider:
                 for b in bases
             ]
         return bases + self._chunked_bases(plan, paths, bases, where, block)
+
+    def _base(self, plan: MemoryPlan, paths: list[str], **how: Any) -> StepBase:
+        """``step_base``, its seconds scaled by ``outside_scale``."""
+        base = step_base(plan, paths, **how)
+        if self.outside_scale == 1.0:
+            return base
+        return dataclasses.replace(base, seconds=base.seconds * self.outside_scale)
 
     def _chunked_bases(
         self,
@@ -214,7 +224,7 @@ class Decider:
         extra = chunked.extra_bytes(rows)
         out = []
         for base in bases:
-            again = step_base(
+            again = self._base(
                 plan,
                 paths,
                 free_gradients=base.free_gradients,
@@ -222,7 +232,7 @@ class Decider:
                 state_block=block if base.state_offloaded else 0,
                 stepwise=base.state_offloaded and self.states.stepwise_ok,
                 chunked_head=(head[0], extra),
-                **(where if base.free_gradients else {}),  # type: ignore[arg-type]
+                **(where if base.free_gradients else {}),
             )
             if again.at_loss < base.at_loss:  # else it holds no less: the plain loss
                 out.append(dataclasses.replace(again, seconds=base.seconds))

@@ -5,7 +5,7 @@ optimizer object, its state and its hyperparameters. See NOTE [the update inside
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
@@ -61,6 +61,20 @@ def unknown_optimizer(optimizer: torch.optim.Optimizer) -> str | None:
     )
 
 
+# NOTE [a block's parameters updated together]
+# Given `units` (a chain's blocks: each block's parameters one unit), the parameters of one unit
+# in one parameter group are updated by one narrowed step when the last of their gradients has
+# landed, not one step each: the optimizer's own implementation then runs over the unit
+# (foreach or fused where the plain step uses them, as on CUDA), and the step's per-call work --
+# its hooks, profiler ranges, `no_grad` -- is paid once a block, not once a parameter (~0.1 ms
+# a parameter on this machine's CPU). Each element's update is the one the plain step computes.
+# A unit's gradients are held until its update (the plan counts them so: plan/whatif.py's
+# `together`). A member whose gradient does not come this backward (an unused branch) would
+# hold the rest back: what has landed is updated when the backward ends (a callback queued on
+# the autograd engine). Where the optimizer state is fetched per update (statestore.py) the
+# updates stay one parameter at a time (`grouped` False): the plan counts one parameter's state.
+
+
 class InBackward:
     """The hooks that run ``optimizer``'s update of each parameter inside backward.
 
@@ -74,29 +88,106 @@ class InBackward:
         >>> hooks.remove()
     """
 
-    def __init__(self, optimizer: torch.optim.Optimizer) -> None:
+    def __init__(
+        self, optimizer: torch.optim.Optimizer, units: Sequence[Sequence[torch.Tensor]] = ()
+    ) -> None:
         self.optimizer = optimizer
         self.updates = 0
         self.updating = False
+        self.grouped = True  # NOTE [a block's parameters updated together]
         # runs a parameter's update block by block where its state is written in row blocks
         # (statestore.py); returns False to leave the update whole
         self.in_rows: Callable[[torch.Tensor, Callable[[torch.Tensor], None]], bool] | None = None
         self.after_update: Callable[[], None] | None = None  # after each one's step, narrowed
         self.updated: list[torch.Tensor] = []  # since the last clear(): what abort names
         self._handles: list[Any] = []
+        unit_of = {id(p): k for k, ps in enumerate(units) for p in ps}
+        # (group, unit) -> its members, in the group's order; a parameter in no unit is alone
+        members: dict[tuple[int, int], list[torch.Tensor]] = {}
         seen: set[int] = set()
-        for group in optimizer.param_groups:
+        for g, group in enumerate(optimizer.param_groups):
             for p in group["params"]:
                 if id(p) in seen or not p.requires_grad:
                     continue
                 seen.add(id(p))
-                self._handles.append(p.register_post_accumulate_grad_hook(self._make(group)))
+                unit = unit_of.get(id(p))
+                together = None
+                if unit is not None:
+                    together = members.setdefault((g, unit), [])
+                    together.append(p)
+                self._handles.append(
+                    p.register_post_accumulate_grad_hook(self._make(group, together))
+                )
+        self._landed: dict[int, tuple[list[torch.Tensor], dict[str, Any]]] = {}
+        self._flush_queued = False
 
-    def _make(self, group: dict[str, Any]) -> Any:
+    def _make(self, group: dict[str, Any], together: list[torch.Tensor] | None) -> Any:
         def hook(p: torch.Tensor) -> None:
-            self.update(p, group)
+            if together is None or len(together) < 2 or not self.grouped:
+                self.update(p, group)
+            else:
+                self._land(p, group, together)
 
         return hook
+
+    def _land(self, p: torch.Tensor, group: dict[str, Any], together: list[torch.Tensor]) -> None:
+        if p.grad is None:
+            return
+        landed, _ = self._landed.setdefault(id(together), ([], group))
+        if any(q is p for q in landed):  # a second gradient this backward: the first goes now
+            self._flush(together)
+            landed, _ = self._landed.setdefault(id(together), ([], group))
+        landed.append(p)
+        if not self._flush_queued:
+            self._flush_queued = True
+            queue_callback(self._flush_all)  # at the end of this backward
+        if len(landed) == len(together):
+            self._flush(together)
+
+    def _flush(self, together: list[torch.Tensor]) -> None:
+        landed, group = self._landed.pop(id(together), ([], None))
+        if group is None or not landed:
+            return
+        order = {id(q): i for i, q in enumerate(together)}
+        self.update_together(sorted(landed, key=lambda q: order[id(q)]), group)
+
+    def _flush_all(self) -> None:
+        self._flush_queued = False
+        while self._landed:
+            key = next(iter(self._landed))
+            landed, group = self._landed.pop(key)
+            self.update_together(landed, group)
+
+    def drop_landed(self) -> list[torch.Tensor]:
+        """Forget gradients that landed but were not applied (their backward died): their
+        gradients are dropped, as the per-parameter updates would never have made them."""
+        dropped = [p for landed, _ in self._landed.values() for p in landed]
+        self._landed.clear()
+        self._flush_queued = False
+        for p in dropped:
+            p.grad = None
+        return dropped
+
+    def update_together(self, ps: list[torch.Tensor], group: dict[str, Any]) -> None:
+        """Apply the updates of ``ps`` (one group's) in one narrowed step; free their
+        gradients (NOTE [a block's parameters updated together])."""
+        ps = [p for p in ps if p.grad is not None]
+        if len(ps) < 2:
+            for p in ps:
+                self.update(p, group)
+            return
+        self.updating = True
+        try:
+            with narrowed(self.optimizer, ps, group):
+                type(self.optimizer).step(self.optimizer)
+                if self.after_update is not None:
+                    self.after_update()
+        finally:
+            self.updating = False
+        for p in ps:
+            self.updated.append(p)
+            p.grad = None
+        self.updates += len(ps)
 
     @contextmanager
     def _only(self, p: torch.Tensor, group: dict[str, Any]) -> Iterator[None]:
@@ -130,15 +221,24 @@ class InBackward:
             self._handles.pop().remove()
 
 
+def queue_callback(fn: Callable[[], None]) -> None:
+    """Run ``fn`` when the backward running now ends (autograd's engine callback)."""
+    engine: Any = torch.autograd.Variable._execution_engine
+    engine.queue_callback(fn)
+
+
 @contextmanager
 def narrowed(
-    optimizer: torch.optim.Optimizer, p: torch.Tensor, group: dict[str, Any]
+    optimizer: torch.optim.Optimizer,
+    p: torch.Tensor | list[torch.Tensor],
+    group: dict[str, Any],
 ) -> Iterator[None]:
-    """``optimizer.param_groups`` narrowed to ``p``'s own group holding only ``p`` (the group
-    dict is the real one: a scheduler's ``lr`` is seen, what the step writes stays)."""
+    """``optimizer.param_groups`` narrowed to ``p``'s own group holding only ``p`` (or the
+    parameters listed; the group dict is the real one: a scheduler's ``lr`` is seen, what the
+    step writes stays)."""
     groups, params = optimizer.param_groups, group["params"]
     optimizer.param_groups = [group]
-    group["params"] = [p]
+    group["params"] = list(p) if isinstance(p, list) else [p]
     try:
         yield
     finally:

@@ -29,7 +29,7 @@ Pure Python, no torch.
 from __future__ import annotations
 
 import difflib
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -184,17 +184,41 @@ class _Intervals:
         return [part for parts in self.parts.values() for part in parts] + self.extra
 
 
-def _free_gradients(state: _Intervals, changes: list[str], notes: list[str]) -> None:
+def _unit(name: str, together: Collection[str]) -> str | None:
+    for path in together:
+        if name == path or name.startswith(path + "."):
+            return path
+    return None
+
+
+def _free_gradients(
+    state: _Intervals, changes: list[str], notes: list[str], together: Collection[str] = ()
+) -> None:
+    """``together``: module paths whose parameters are updated together, when the last of
+    their gradients lands (ts.fit's in-backward updates, a chain's block at a time): their
+    gradients are held until then."""
     plan = state.plan
     update_at: dict[int, int] = {}  # parameter -> op after which its update runs
+    grads: list[Lifetime] = []
     for life in plan.lifetimes:
         if life.category != "gradient" or life.owner < 0 or life.index not in state.parts:
             continue
         if life.created < 0:  # would have been freed at its update in the previous step
             state.parts[life.index] = []
             continue
-        at = max(life.created, life.last_backward_use)
-        update_at[life.owner] = at
+        update_at[life.owner] = max(life.created, life.last_backward_use)
+        grads.append(life)
+    if together:
+        last: dict[str, int] = {}
+        units = {g.owner: _unit(g.name, together) for g in grads}
+        for owner, unit in units.items():
+            if unit is not None:
+                last[unit] = max(last.get(unit, -1), update_at[owner])
+        for owner, unit in units.items():
+            if unit is not None:
+                update_at[owner] = last[unit]
+    for life in grads:
+        at = update_at[life.owner]
         start, _, nbytes, category = state.parts[life.index][0]
         state.parts[life.index] = [(start, (at, 2, 0), nbytes, category)]
     step_end = [-1] * state.n  # op -> end of the optimizer step it belongs to

@@ -10,6 +10,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from tensorscope.checkpoint.blocks import CheckpointedChain
 from tensorscope.fit.gradreaders import listen
 from tensorscope.fit.inbackward import InBackward
 from tensorscope.fit.parts import Decided, Part, Step
@@ -26,9 +27,10 @@ class InBackwardUpdates(Part):
         hooks: the hooks, while they are on.
     """
 
-    def __init__(self, states: OptimizerStates) -> None:
+    def __init__(self, states: OptimizerStates, chain: CheckpointedChain | None = None) -> None:
         self.hooks: InBackward | None = None
         self._states = states
+        self._chain = chain  # its blocks' parameters updated a block at a time
         self._optimizer: torch.optim.Optimizer | None = None
         # NOTE [a step that reads gradients after the recorded one] (fit/gradreaders.py):
         # told what read gradients this step after updates inside backward had run
@@ -70,23 +72,30 @@ class InBackwardUpdates(Part):
             self._off()
             return True
         if self.hooks is None and self._optimizer is not None:
-            self.hooks = InBackward(self._optimizer)
+            blocks = self._chain.blocks if self._chain is not None else ()
+            units = [list(block.parameters()) for block in blocks]
+            self.hooks = InBackward(self._optimizer, units)
             self._reading = listen(self)
         if self.hooks is not None:
             store = self._states.store
             self.hooks.in_rows = store.update_in_rows if self._states.in_rows and store else None
             self.hooks.after_update = self._states.after_update
+            # NOTE [a block's parameters updated together]: not where state is fetched per
+            # update (the plan counts one parameter's state then: account.step_base)
+            self.hooks.grouped = not decided.decision.chosen.base.state_offloaded
         return True
 
     def step_start(self, step: Step) -> None:
         if step.measured:
             self._off()
         elif self.hooks is not None:
+            self.hooks.drop_landed()  # a dead backward's, never applied
             self.hooks.updated = []
 
     def abort(self, step: Step) -> Sequence[torch.Tensor]:
         if self.hooks is None:
             return ()
+        self.hooks.drop_landed()
         updated, self.hooks.updated = self.hooks.updated, []
         return updated
 
