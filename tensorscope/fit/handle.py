@@ -58,6 +58,7 @@ from tensorscope.fit.ranks import Ranks
 from tensorscope.fit.report import Facts, explain
 from tensorscope.fit.where import offload_why_not, state_where
 from tensorscope.plan.model import MemoryPlan
+from tensorscope.residency.backends import Backend, backend_for
 
 __all__ = ["Fit"]
 
@@ -108,6 +109,17 @@ class _Call:
         self.step: Step | None = None  # the step it is a training forward of
         self.returned = False
 
+
+# NOTE [the budget on a caching allocator]
+# On CUDA what runs out of memory is the caching allocator's reserved bytes, not the tensors'
+# bytes the recording counts: blocks cached for reuse and fragmentation come on top. From the
+# decided steps on the budget holds against reserved: the recorded step after a decision
+# (steps 3, ...) resets the allocator's peaks at its start and reads them at its end; reserved
+# above the budget is an excess like a measured one (_check: decided again with that much held
+# back, twice at most). The first decision already keeps FRAGMENTATION_MARGIN of the budget
+# back on such a device. Reserved falls only by empty_cache (which synchronises): ts.fit never
+# calls it. Devices without a caching allocator (the CPU) report None and nothing changes.
+FRAGMENTATION_MARGIN = 0.05
 
 TIMED_BEFORE_CHECK = 2  # unrecorded steps under a decision timed before it is checked
 TIME_TOLERANCE = 0.10  # how far from the prediction they may be (NOTE [a prediction ...])
@@ -208,6 +220,10 @@ class Fit:
         self._after_at = 0
         self._times: list[float] = []
         self._timed_against = False  # NOTE [a prediction measured against]: done once
+        # NOTE [the budget on a caching allocator]: (reserved, allocated) peaks of the recorded
+        # step under the decision; Nones without a caching allocator
+        self.allocator_peaks: tuple[int | None, int | None] = (None, None)
+        self._margin_kept = False
         self._corrected_peak: int | None = None  # plan_after's peak, read-ahead and placement
         self._freed: Candidate | None = None  # atomic=True: the best plan freeing gradients
         self._local = threading.local()  # this thread's model calls (_Call), innermost last
@@ -330,6 +346,8 @@ class Fit:
                 "zero_grad(set_to_none=False)): they are the optimizer's input"
             )
         step.recorded = measured or (self.plan_after is None and self.steps >= self._after_at)
+        if step.recorded and not measured:  # NOTE [the budget on a caching allocator]
+            self._device_backend().reset_allocator_peaks()
         self._parts.step_start(step)
 
     def _before_step(self, optimizer: torch.optim.Optimizer, frame: FrameType) -> None:
@@ -425,6 +443,15 @@ class Fit:
         self.grads_kept_because = self._decider.why_grads_kept(
             plan, step.forwards, step.grads_at_start
         )
+        reserved, _ = self._device_backend().allocator_bytes()
+        if reserved is not None and not self._margin_kept:  # NOTE [the budget on a caching ...]
+            self._margin_kept = True
+            margin = int(self.budget_bytes * FRAGMENTATION_MARGIN)
+            self._decider.slack += margin
+            self.notes.append(
+                f"the device has a caching allocator: {format_bytes(margin)} of the budget "
+                f"kept back for its cached blocks and fragmentation"
+            )
         self._apply(plan, not self.grads_kept_because)
         if self.atomic and len(self.grads_kept_because) == 1:  # what atomic=True costs
             self._freed = self._decider.freed_alternative(plan)
@@ -497,10 +524,15 @@ class Fit:
         self.plan_after = None
         self._times = []
 
+    def _device_backend(self) -> Backend:
+        params = parameters_of(self.optimizer)
+        return backend_for(params[0].device if params else torch.device("cpu"))
+
     def _measured_after(self, plan: MemoryPlan) -> None:
         """The recorded step under the decision: its peak corrected with what the parts held
         that the recording does not see as it was; a failed offload write: decided again."""
         self.plan_after = plan
+        self.allocator_peaks = self._device_backend().allocator_peaks()
         opened = self._recorder.opened_at
         placed = self._place.names()
         held = [(t - opened, b) for t, b in self._place.take_log()]
@@ -588,14 +620,19 @@ class Fit:
     def _check(self, plan: MemoryPlan) -> None:
         # with blocks offloaded, what the offloader held read back ahead of use counts too
         # (the recording sees such a tensor from its use on): measured_peak adds it op by op
-        excess = self._across.most_excess(self.measured_peak(plan) - self.budget_bytes)
+        held = self.measured_peak(plan)
+        reserved = self.allocator_peaks[0] if plan is self.plan_after else None
+        what = format_bytes(held)
+        if reserved is not None and reserved > held:  # NOTE [the budget on a caching allocator]
+            held, what = reserved, f"{format_bytes(reserved)} reserved by the caching allocator"
+        excess = self._across.most_excess(held - self.budget_bytes)  # the ranks' largest
         if excess <= 0 or self.plan_before is None:
             return
         decider = self._decider
         decider.retries += 1
         again = decider.retries <= 2
         warnings.warn(
-            f"{_SUB}: step {self.steps} held {format_bytes(self.measured_peak(plan))}, "
+            f"{_SUB}: step {self.steps} held {what}, "
             f"{format_bytes(excess)} above the budget of {format_bytes(self.budget_bytes)} "
             f"(predicted {format_bytes(self._predicted_peak())})"
             + ("; deciding again with that much less for the chain" if again else ""),
@@ -670,6 +707,7 @@ class Fit:
                 ),
                 offload_read_ahead=self._offload.read_ahead,
                 measured_peak=self.measured_peak(self.plan_after) if self.plan_after else 0,
+                allocator_peaks=self.allocator_peaks,
                 atomic=self.atomic,
                 stepwise=self._states.store is not None and self._states.store.stepwise,
                 freed=self._freed,
