@@ -27,6 +27,7 @@ from tensorscope.checkpoint.executor import (
     _root,
     rerun_guard,
 )
+from tensorscope.errors import InvalidArgumentError
 
 __all__ = ["BlockFunction", "BlockPlan", "BlockRun", "Placer", "Probe"]
 
@@ -432,10 +433,12 @@ class BlockFunction(torch.autograd.Function):
     def backward(ctx: Any, *grads: Any) -> Any:
         run: BlockRun | None = ctx.run
         if run is None:
-            raise RuntimeError(
-                f"{_PREFIX} backward through a checkpointed block ran twice; its activations "
-                f"were freed by the first backward. Run the forward again (retain_graph=True "
-                f"and double backward are not supported)."
+            raise InvalidArgumentError(
+                f"{_PREFIX} a second backward reached a checkpointed block (block {ctx.k}, "
+                f"retain_graph=True and another backward through the same forward): its "
+                f"activations were freed by the first backward. Add the losses and call "
+                f"backward once ((loss + aux).backward(): the same gradients), or run the "
+                f"forward again for the second backward"
             )
         ctx.run = None
         d_k, ctx_grads, param_grads = run.backward_block(ctx.k, grads)

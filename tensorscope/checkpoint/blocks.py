@@ -109,6 +109,9 @@ class CheckpointedChain:
         self.offload_model: OffloadModel | None = None
         self.offloaded: tuple[int, ...] = ()
         self.placer: Placer | None = None  # where the blocks' parameters are between uses
+        # NOTE [retiming]: what the re-timed profile becomes before it is solved again (ts.fit
+        # across ranks agrees it with the other ranks' first: fit/parts/across.py)
+        self.retime_hook: Callable[[Profile], Profile] | None = None
         self._routes = BlockRoutes(self.blocks, self._call)
         # NOTE [retiming compiled blocks]: how many graphs were compiled so far (None: no count)
         self.compiles: Callable[[], int] | None = None
@@ -351,7 +354,9 @@ class CheckpointedChain:
         if self.compiles is not None and self.compiles() != self._compiles_at:
             return  # NOTE [retiming compiled blocks]: the next run re-times
         self._retimed = True
-        self.profile = retimed(self.profile, run.fe_s, run.b_s)
+        profile = retimed(self.profile, run.fe_s, run.b_s)
+        hook = self.retime_hook
+        self.profile = hook(profile) if hook is not None else profile
         with contextlib.suppress(ScheduleError):  # same sizes, same limit: it fits
             self._solve()
 

@@ -18,6 +18,7 @@ from torch.autograd.function import once_differentiable
 from torch.autograd.graph import GradientEdge, get_gradient_edge
 
 from tensorscope.checkpoint.chain import Op, forward_runs
+from tensorscope.errors import InvalidArgumentError
 
 __all__ = ["Executor"]
 
@@ -258,10 +259,11 @@ class _ScheduleFunction(torch.autograd.Function):
     def backward(ctx: Any, *grad_outputs: Any) -> Any:
         run: _Run | None = ctx.run
         if run is None:
-            raise RuntimeError(
-                "tensorscope.checkpoint: backward through a Checkpointable call ran twice; its "
-                "activations were freed by the first backward. Run the forward again (or use "
-                "the plain model if you need retain_graph=True)."
+            raise InvalidArgumentError(
+                "tensorscope.checkpoint: a second backward reached a Checkpointable call "
+                "(retain_graph=True and another backward through the same forward): its "
+                "activations were freed by the first backward. Add the losses and call "
+                "backward once, or run the forward again (or use the plain model)"
             )
         ctx.run = None
         run.backward_phase(grad_outputs[0])

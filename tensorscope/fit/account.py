@@ -422,8 +422,11 @@ def step_base(
         intervals.append((loss_start, loss_end, chunked_head[1], rank["temporary"]))
     if each:  # one parameter's state at a time, from the step's first op
         intervals.append((step_start, each_end, max(each.values()), rank["optimizer_state"]))
-    for category in largest:
-        own = [part for part in intervals if part[3] == rank[category]]
+    for category in largest:  # under FSDP2 a rank's parameters are its shards
+        kinds = {rank[category]} | (
+            {rank["sharded_parameter"]} if category == "parameter" else set()
+        )
+        own = [part for part in intervals if part[3] in kinds]
         largest[category] = peak_of(own, len(CATEGORIES))[0]
     chain_s = 0.0
     if ranges is None:

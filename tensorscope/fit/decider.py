@@ -22,6 +22,7 @@ from tensorscope.plan.model import MemoryPlan
 
 if TYPE_CHECKING:
     from tensorscope.checkpoint.blocks import CheckpointedChain
+    from tensorscope.fit.parts.across import AcrossRanks
     from tensorscope.fit.parts.chunked import ChunkedLoss
     from tensorscope.fit.parts.offload import ActivationOffload
     from tensorscope.fit.parts.place import ParamPlacement
@@ -37,13 +38,6 @@ def managed(optimizer: torch.optim.Optimizer) -> bool:
     return any(isinstance(p, ManagedParameter) for p in parameters_of(optimizer))
 
 
-def _world_size() -> int:
-    distributed = torch.distributed
-    if distributed.is_available() and distributed.is_initialized():
-        return int(distributed.get_world_size())
-    return 1
-
-
 @dataclasses.dataclass
 class Decider:
     """Takes decisions for one fit.
@@ -54,6 +48,8 @@ class Decider:
         outside_scale: the recorded step's time outside the chain is scaled by it (NOTE [a
             prediction measured against], fit/handle.py).
         atomic: ``ts.fit(..., atomic=True)``: gradients are never freed inside backward.
+        across: the ranks' agreement (parts/across.py): every rank's reasons and measurements
+            merged before deciding (NOTE [one decision across ranks]); None: one process.
     """
 
     model: nn.Module
@@ -67,6 +63,7 @@ class Decider:
     chunked: ChunkedLoss | None = None
     slack: int = 0
     retries: int = 0
+    across: AcrossRanks | None = None
     outside_scale: float = 1.0  # NOTE [a prediction measured against]: the step outside the chain
 
     @property
@@ -97,18 +94,13 @@ class Decider:
                 f"gradient accumulation: {forwards} forwards per optimizer step (the "
                 f"update needs every micro-batch's gradient)"
             )
-        ranks = _world_size()
-        if ranks > 1:
-            reasons.append(
-                f"a process group of {ranks} ranks is initialized: DDP and FSDP average each "
-                f"gradient across ranks after autograd accumulates it, so an update at "
-                f"accumulation would use this rank's gradient alone"
-            )
         if grads_at_start:
             reasons.append(
                 "gradients existed when the step began (accumulated across optimizer steps, "
                 "or zero_grad(set_to_none=False))"
             )
+        if self.across is not None:  # across ranks: every rank's, and the engine's own
+            reasons = self.across.reasons(reasons)
         return reasons
 
     def chain_paths(self, plan: MemoryPlan) -> list[str]:
@@ -130,9 +122,13 @@ class Decider:
         offload = self.offload_model() if measured else None
 
         def decide_with(bases: list[StepBase]) -> Decision:
+            nonlocal offload
             off = self.states.off  # NOTE [a full disk] (statestore.py): after bases() probed
+            budget = self.budget
+            if self.across is not None:  # NOTE [one decision across ranks]: agreed first
+                budget, bases, offload = self.across.inputs(budget, bases, offload)
             return decide(
-                self.budget - self.slack,
+                budget - self.slack,
                 bases,
                 chain.profile.to_chain() if measured and chain and chain.profile else None,
                 reserve=chain.reserved_nbytes if measured and chain else 0,

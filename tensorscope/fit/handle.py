@@ -44,6 +44,7 @@ from tensorscope.fit.decide import Candidate, Decision
 from tensorscope.fit.decider import Decider
 from tensorscope.fit.inbackward import parameters_of
 from tensorscope.fit.parts import Decided, Parts, Step
+from tensorscope.fit.parts.across import AcrossRanks
 from tensorscope.fit.parts.chain import ChainExecutor, find_the_chain
 from tensorscope.fit.parts.chunked import ChunkedLoss
 from tensorscope.fit.parts.compiled import CompiledRun
@@ -54,9 +55,11 @@ from tensorscope.fit.parts.place import ParamPlacement
 from tensorscope.fit.parts.record import StepRecorder
 from tensorscope.fit.parts.states import OptimizerStates
 from tensorscope.fit.phase import Event, Phase, advance
+from tensorscope.fit.ranks import Ranks
 from tensorscope.fit.report import Facts, explain
 from tensorscope.fit.where import offload_why_not, state_where
 from tensorscope.plan.model import MemoryPlan
+from tensorscope.residency.backends import Backend, backend_for
 
 __all__ = ["Fit"]
 
@@ -108,6 +111,17 @@ class _Call:
         self.returned = False
 
 
+# NOTE [the budget on a caching allocator]
+# On CUDA what runs out of memory is the caching allocator's reserved bytes, not the tensors'
+# bytes the recording counts: blocks cached for reuse and fragmentation come on top. From the
+# decided steps on the budget holds against reserved: the recorded step after a decision
+# (steps 3, ...) resets the allocator's peaks at its start and reads them at its end; reserved
+# above the budget is an excess like a measured one (_check: decided again with that much held
+# back, twice at most). The first decision already keeps FRAGMENTATION_MARGIN of the budget
+# back on such a device. Reserved falls only by empty_cache (which synchronises): ts.fit never
+# calls it. Devices without a caching allocator (the CPU) report None and nothing changes.
+FRAGMENTATION_MARGIN = 0.05
+
 TIMED_BEFORE_CHECK = 2  # unrecorded steps under a decision timed before it is checked
 WARMING_STEPS = 3  # compile=True: steps that may compile before one is recorded anyway
 TIME_TOLERANCE = 0.10  # how far from the prediction they may be (NOTE [a prediction ...])
@@ -150,6 +164,7 @@ class Fit:
         budget: int,
         blocks: str | None,
         atomic: bool = False,
+        ranks: Ranks | None = None,
         compiled: bool = False,
     ) -> None:
         self.model = model
@@ -165,14 +180,16 @@ class Fit:
         self._inb.on_late_reader = self._late_reader
         self._chunked = ChunkedLoss()
         self._recorder = StepRecorder()
+        self._across = AcrossRanks(self.chain, self._states, self._place, ranks)
         self._compiled = CompiledRun(self.chain, compiled)
         # NOTE [fit as parts]: the order. Attached, decided and started top-down; detached,
         # aborted and forwards ended bottom-up.
         self._parts = Parts(
             [
+                self._across,  # the ranks' agreement; FSDP2's sharded blocks (NOTE [a fit ...])
                 self._offload,  # the offloader of the chain's blocks' saved tensors
                 self._place,  # the chain's parameters in files between their uses
-                ChainExecutor(self.chain, self._offload, self._place),  # the blocks routed
+                ChainExecutor(self.chain, self._offload, self._place, self._across),
                 self._compiled,  # compile=True: the blocks' and the model's forwards compiled
                 self._states,  # optimizer state in the next tier between updates
                 self._inb,  # updates inside backward (the store's rows)
@@ -192,6 +209,7 @@ class Fit:
             atomic,
             chunked=self._chunked,
         )
+        self._decider.across = self._across
         self.optimizer_note = self._decider.optimizer_note
         self.plan_before: MemoryPlan | None = None
         self.plan_after: MemoryPlan | None = None
@@ -207,6 +225,10 @@ class Fit:
         self._after_at = 0
         self._times: list[float] = []
         self._timed_against = False  # NOTE [a prediction measured against]: done once
+        # NOTE [the budget on a caching allocator]: (reserved, allocated) peaks of the recorded
+        # step under the decision; Nones without a caching allocator
+        self.allocator_peaks: tuple[int | None, int | None] = (None, None)
+        self._margin_kept = False
         self._corrected_peak: int | None = None  # plan_after's peak, read-ahead and placement
         self._freed: Candidate | None = None  # atomic=True: the best plan freeing gradients
         self._local = threading.local()  # this thread's model calls (_Call), innermost last
@@ -231,6 +253,12 @@ class Fit:
         # a model dropped without remove(): its hooks go with it, and so do these
         assert self._recorder.hooks is not None  # attached
         self._finalizer = weakref.finalize(self, _release, (*steps, self._recorder.hooks))
+
+    def _agreed_budget(self, budgets: list[int]) -> None:
+        """Every rank's budget, given to ts.fit: each decides under the smallest
+        (NOTE [one decision across ranks])."""
+        self.budget_bytes = self._decider.budget = min(budgets)
+        self._across.budgets = tuple(budgets)
 
     @property
     def removed(self) -> bool:
@@ -269,7 +297,17 @@ class Fit:
             raise ScheduleError(str(self._error))
         _OPEN.abort_dead(but=self)  # another fit's dead step must not record this one's ops
         if self._step is None:
-            self._begin(_input_nbytes(args, kwargs))
+            grads = any(p.grad is not None for p in parameters_of(self.optimizer))
+            # NOTE [a fit across ranks]: each step begins on every rank together
+            begun = self._across.begin(_input_nbytes(args, kwargs), grads)
+            if begun.departed:  # NOTE [a rank that removes its fit]: this step runs plain
+                self._depart()
+                return
+            if begun.again and self.plan_before is not None and self.decision is not None:
+                self.notes.append(f"step {self.steps + 1}: {begun.again}; decided again without")
+                self.decision, self._decided = None, None
+                self._apply(self.plan_before, not self.grads_kept_because)
+            self._begin(begun.batch_nbytes, begun.grads)
         step = self._step
         assert step is not None  # _begin made it, or raised
         step.forwards += 1
@@ -297,8 +335,7 @@ class Fit:
         elif not torch.compiler.is_compiling():
             watch_backward(step, output)
 
-    def _begin(self, batch_nbytes: int) -> None:
-        grads = any(p.grad is not None for p in parameters_of(self.optimizer))
+    def _begin(self, batch_nbytes: int, grads: bool) -> None:
         grown = self._phase is Phase.DECIDED and batch_nbytes > self._batch_nbytes
         self._phase = advance(self._phase, Event.REMEASURE if grown else Event.BEGIN)
         measured = self._phase.measuring
@@ -319,6 +356,8 @@ class Fit:
             # NOTE [compile=True]: after a step that compiled nothing (or a few that kept on)
             and (not self._compiled.warming or self.steps >= self._after_at + WARMING_STEPS)
         )
+        if step.recorded and not measured:  # NOTE [the budget on a caching allocator]
+            self._device_backend().reset_allocator_peaks()
         self._parts.step_start(step)
 
     def _before_step(self, optimizer: torch.optim.Optimizer, frame: FrameType) -> None:
@@ -352,10 +391,13 @@ class Fit:
             self._batch_nbytes = max(self._batch_nbytes, step.batch_nbytes)
         if self._states.failed_write() and self.plan_before is not None:
             # NOTE [a full disk] (statestore.py): the state stayed in memory this step
-            self.notes.append(f"step {self.steps}: {self._states.off}; decided again without")
-            self.decision, self._decided = None, None
-            self._apply(self.plan_before, not self.grads_kept_because)
-            return
+            if self._across.active:  # every rank decides again, at the next step's start
+                self._across.want_again(self._states.off)
+            else:
+                self.notes.append(f"step {self.steps}: {self._states.off}; decided again without")
+                self.decision, self._decided = None, None
+                self._apply(self.plan_before, not self.grads_kept_because)
+                return
         plan = self._recorder.plan
         if step.measured and plan is not None:
             self.plan_before = plan
@@ -411,6 +453,15 @@ class Fit:
         self.grads_kept_because = self._decider.why_grads_kept(
             plan, step.forwards, step.grads_at_start
         )
+        reserved, _ = self._device_backend().allocator_bytes()
+        if reserved is not None and not self._margin_kept:  # NOTE [the budget on a caching ...]
+            self._margin_kept = True
+            margin = int(self.budget_bytes * FRAGMENTATION_MARGIN)
+            self._decider.slack += margin
+            self.notes.append(
+                f"the device has a caching allocator: {format_bytes(margin)} of the budget "
+                f"kept back for its cached blocks and fragmentation"
+            )
         self._apply(plan, not self.grads_kept_because)
         if self.atomic and len(self.grads_kept_because) == 1:  # what atomic=True costs
             self._freed = self._decider.freed_alternative(plan)
@@ -466,8 +517,9 @@ class Fit:
     def _apply(self, plan: MemoryPlan, free_gradients: bool) -> None:
         try:
             decided = self._decider.decide(plan, free_gradients)
-            while not self._parts.decide(decided):  # a part could not apply it (it says
-                decided = self._decider.decide(plan, free_gradients)  # why): again without
+            # a part could not apply it (it says why): again without, on every rank
+            while not self._across.all_applied(self._parts.decide(decided)):
+                decided = self._decider.decide(plan, free_gradients)
         except ScheduleError as exc:
             self._error = exc
             self._phase = advance(self._phase, Event.FAIL)
@@ -482,10 +534,15 @@ class Fit:
         self.plan_after = None
         self._times = []
 
+    def _device_backend(self) -> Backend:
+        params = parameters_of(self.optimizer)
+        return backend_for(params[0].device if params else torch.device("cpu"))
+
     def _measured_after(self, plan: MemoryPlan) -> None:
         """The recorded step under the decision: its peak corrected with what the parts held
         that the recording does not see as it was; a failed offload write: decided again."""
         self.plan_after = plan
+        self.allocator_peaks = self._device_backend().allocator_peaks()
         opened = self._recorder.opened_at
         placed = self._place.names()
         held = [(t - opened, b) for t, b in self._place.take_log()]
@@ -510,8 +567,11 @@ class Fit:
                     FitWarning,
                     stacklevel=3,
                 )
-                self._apply(self.plan_before, self._frees())
-                return
+                if not self._across.active:
+                    self._apply(self.plan_before, self._frees())
+                    return
+                # every rank decides again at the next step's start; the check agrees now
+                self._across.want_again(self._offload.off)
         self._check(plan)
 
     # NOTE [a prediction measured against]
@@ -570,14 +630,19 @@ class Fit:
     def _check(self, plan: MemoryPlan) -> None:
         # with blocks offloaded, what the offloader held read back ahead of use counts too
         # (the recording sees such a tensor from its use on): measured_peak adds it op by op
-        excess = self.measured_peak(plan) - self.budget_bytes
+        held = self.measured_peak(plan)
+        reserved = self.allocator_peaks[0] if plan is self.plan_after else None
+        what = format_bytes(held)
+        if reserved is not None and reserved > held:  # NOTE [the budget on a caching allocator]
+            held, what = reserved, f"{format_bytes(reserved)} reserved by the caching allocator"
+        excess = self._across.most_excess(held - self.budget_bytes)  # the ranks' largest
         if excess <= 0 or self.plan_before is None:
             return
         decider = self._decider
         decider.retries += 1
         again = decider.retries <= 2
         warnings.warn(
-            f"{_SUB}: step {self.steps} held {format_bytes(self.measured_peak(plan))}, "
+            f"{_SUB}: step {self.steps} held {what}, "
             f"{format_bytes(excess)} above the budget of {format_bytes(self.budget_bytes)} "
             f"(predicted {format_bytes(self._predicted_peak())})"
             + ("; deciding again with that much less for the chain" if again else ""),
@@ -652,12 +717,26 @@ class Fit:
                 ),
                 offload_read_ahead=self._offload.read_ahead,
                 measured_peak=self.measured_peak(self.plan_after) if self.plan_after else 0,
+                allocator_peaks=self.allocator_peaks,
                 atomic=self.atomic,
                 stepwise=self._states.store is not None and self._states.store.stepwise,
                 freed=self._freed,
                 compile_lines=tuple(self._compiled.lines()),
+                across=tuple(self._across.lines()),
             )
         )
+
+    def _depart(self) -> None:
+        """Another rank removed its fit (NOTE [a rank that removes its fit]): so does this."""
+        self._across.departed = True
+        warnings.warn(
+            f"{_SUB}: another rank removed its fit; this rank's fit of "
+            f"{type(self.model).__name__} is removed too (every rank runs the same steps), and "
+            f"the model trains without it from this step on",
+            FitWarning,
+            stacklevel=4,
+        )
+        self.remove()
 
     def remove(self) -> None:
         """Give the model and optimizer back exactly as they were (their current values):
@@ -676,6 +755,7 @@ class Fit:
         self._abort_if_dead()
         self._abort(None)  # a step in progress is dropped
         self._phase = advance(self._phase, Event.REMOVE)
+        self._across.depart(self.model)  # NOTE [a rank that removes its fit]
         while self._handles:
             self._handles.pop().remove()
         try:

@@ -9,10 +9,12 @@ from typing import Any
 import torch
 from torch import nn
 
+from tensorscope._sharded import fsdp1_modules
 from tensorscope._units import format_bytes, parse_bytes
-from tensorscope.errors import ArgumentTypeError, FitWarning, InvalidArgumentError
+from tensorscope.errors import ArgumentTypeError, FitWarning, InvalidArgumentError, TensorScopeError
 from tensorscope.fit import fitted
 from tensorscope.fit.handle import Fit
+from tensorscope.fit.ranks import Ranks
 from tensorscope.fit.statestore import first_step_floor
 
 __all__ = ["make_fit"]
@@ -40,7 +42,38 @@ def make_fit(
     atomic: bool = False,
     compiled: Any = False,
 ) -> Fit:
-    """:func:`tensorscope.fit` (see its docstring)."""
+    """:func:`tensorscope.fit` (see its docstring). With a process group of more than one rank
+    initialized, every rank calls it: a tensorscope error on any rank is raised on all of them,
+    and every rank takes the smallest budget (NOTE [errors across ranks], fit/ranks.py)."""
+    ranks = Ranks.here()
+    if ranks is None:
+        return _make(model, optimizer, budget, blocks, atomic, None, compiled)
+    made: list[Fit] = []
+
+    def local() -> int:
+        made.append(_make(model, optimizer, budget, blocks, atomic, ranks, compiled))
+        return made[0].budget_bytes
+
+    try:
+        budgets = ranks.agree(local)
+    except TensorScopeError:
+        for fit in made:  # another rank failed: nothing of this one stays, and no rank waits
+            fit._across.departed = True
+            fit.remove()
+        raise
+    made[0]._agreed_budget(budgets)
+    return made[0]
+
+
+def _make(
+    model: Any,
+    optimizer: Any,
+    budget: Any,
+    blocks: str | None,
+    atomic: bool,
+    ranks: Ranks | None,
+    compiled: Any = False,
+) -> Fit:
     if not isinstance(model, nn.Module):
         raise ArgumentTypeError(f"{_SUB}: ts.fit needs an nn.Module; got {type(model).__name__}")
     opt = _unwrap(optimizer)
@@ -49,6 +82,14 @@ def make_fit(
         raise ArgumentTypeError(f"{_SUB}: ts.fit(atomic=...) takes a bool; got {atomic!r}")
     if not isinstance(compiled, bool):
         raise ArgumentTypeError(f"{_SUB}: ts.fit(compile=...) takes a bool; got {compiled!r}")
+    fsdp1 = fsdp1_modules(model)
+    if fsdp1:
+        raise InvalidArgumentError(
+            f"{_SUB}: {type(model).__name__} is wrapped by FullyShardedDataParallel (FSDP1), "
+            f"which ts.fit does not plan for (its flat parameters are FSDP1's own). Shard with "
+            f"FSDP2 instead: torch.distributed.fsdp.fully_shard on every block, then on the "
+            f"model, then make the optimizer and call ts.fit"
+        )
     for name, module in model.named_modules():
         if getattr(module, "gradient_checkpointing", False) is True:
             raise InvalidArgumentError(
@@ -56,7 +97,9 @@ def make_fit(
                 f"ts.fit decides recomputation itself. Call model.gradient_checkpointing_disable() "
                 f"first."
             )
-    handle = fitted.claim((model, opt), lambda: Fit(model, opt, nbytes, blocks, atomic, compiled))
+    handle = fitted.claim(
+        (model, opt), lambda: Fit(model, opt, nbytes, blocks, atomic, ranks, compiled)
+    )
     _warn_if_the_first_step_cannot_fit(opt, nbytes)
     return handle
 

@@ -40,9 +40,12 @@ class Facts:
     offload_why_not: str = ""  # why no block is offloaded, when none is
     offload_read_ahead: int = 0  # the offloader's most bytes read back ahead of use
     measured_peak: int = 0  # the recorded step's peak, the read-ahead included
+    # (reserved, allocated) peaks of the caching allocator in that step (Nones: none)
+    allocator_peaks: tuple[int | None, int | None] = (None, None)
     atomic: bool = False  # ts.fit(..., atomic=True)
     stepwise: bool = False  # a kept-gradient step runs one parameter at a time
     freed: Candidate | None = None  # atomic=True: what ts.fit would choose without it
+    across: tuple[str, ...] = ()  # the ranks and their agreement (fit/parts/across.py)
     chunk_rows: int = 0  # rows per chunk of the chunked LM loss (0: it cannot run)
     chunk_why_not: str = ""  # why the LM loss cannot run in chunks
     compile_lines: tuple[str, ...] = ()  # compile=True: what is compiled (parts/compiled.py)
@@ -132,6 +135,7 @@ def explain(f: Facts) -> str:
         f"({f.budget_bytes} bytes)" + (" [removed]" if f.removed else "")
     )
     lines = [head]
+    lines += [f"  {line}" for line in f.across]
     if f.error is not None:
         lines.append(f"  no plan: {f.error}")
     if f.plan_before is None:
@@ -237,6 +241,12 @@ def explain(f: Facts) -> str:
                 f"; with what the offloader read back ahead of use during the chain's backward "
                 f"(at most {format_bytes(f.offload_read_ahead)}, seen by the recording only "
                 f"from its use): at most {format_bytes(f.measured_peak)}"
+            )
+        reserved, allocated = f.allocator_peaks
+        if reserved is not None and allocated is not None:
+            measured += (
+                f"; the device's caching allocator at most {format_bytes(allocated)} allocated, "
+                f"{format_bytes(reserved)} reserved (the budget holds against reserved)"
             )
         if f.measured_step_s is not None:
             measured += (

@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 
+from tensorscope._sharded import local_tensor, rebuilder
 from tensorscope.errors import FitWarning, InvalidArgumentError, ResidencyError
 from tensorscope.fit.inbackward import KNOWN_OPTIMIZERS, narrowed
 from tensorscope.fit.offload_rules import Bandwidth
@@ -65,6 +66,13 @@ MIN_SPILL_BYTES = 4096
 # write fails stays in memory (FitWarning), as a whole tensor does; a read that fails in the
 # middle leaves the earlier blocks updated and raises (the file was damaged behind our back).
 #
+# NOTE [sharded state]
+# Under FSDP2 a parameter's state is made of ``DTensor``s (AdamW's moments, sharded like the
+# parameter): what is written is this rank's local tensor, the placeholder has the DTensor's
+# global shape, and the value read back is a DTensor again, made from the local tensor read
+# back with the same mesh, placements, shape and stride (``_sharded.rebuilder``). Row blocks
+# are not used for it (a row view of a sharded DTensor would be a collective's business).
+#
 # NOTE [a kept-gradient step one parameter at a time]
 # With gradients kept until `optimizer.step()` (clipping, a GradScaler, accumulation) and the
 # state in the next tier, reading every parameter's state back for the step would hold all of
@@ -97,6 +105,10 @@ class _Spilled:
     dtype: torch.dtype
     device: torch.device
     blocks: list[_Block] | None = None  # written in row blocks (then `copy` is None)
+    # NOTE [sharded state]: a DTensor's local tensor is what is written; made again from it
+    rebuild: Callable[[torch.Tensor], torch.Tensor] | None = None
+    shape: tuple[int, ...] = ()  # the local tensor's (a DTensor's placeholder has the global)
+    stride: tuple[int, ...] = ()
 
 
 def _below(device: torch.device) -> str:
@@ -149,7 +161,10 @@ def row_safe(optimizer: torch.optim.Optimizer) -> bool:
     """Whether ``optimizer``'s update of a block of rows equals the same rows of a whole update
     (NOTE [updates in row blocks])."""
     return type(optimizer) in KNOWN_OPTIMIZERS and not any(
-        g.get("fused") or g.get("differentiable") for g in optimizer.param_groups
+        g.get("fused")
+        or g.get("differentiable")
+        or any(rebuilder(p) is not None for p in g["params"])  # NOTE [sharded state]
+        for g in optimizer.param_groups
     )
 
 
@@ -185,14 +200,16 @@ def first_step_floor(optimizer: torch.optim.Optimizer) -> tuple[int, int, int | 
     for group in optimizer.param_groups:
         per_element = _state_tensors_per_element(optimizer, group)
         for p in group["params"]:
-            nbytes = p.nbytes
+            nbytes = local_tensor(p).nbytes  # this rank's shard (FSDP2)
             params += nbytes
             if not p.requires_grad:
                 continue
             grads += nbytes
             made = optimizer.state.get(p)
             if made:
-                state += sum(v.nbytes for v in made.values() if isinstance(v, torch.Tensor))
+                state += sum(
+                    local_tensor(v).nbytes for v in made.values() if isinstance(v, torch.Tensor)
+                )
             elif per_element < 0:
                 known = False
             else:
@@ -313,9 +330,10 @@ class StateStore:
             for key, value in list(values.items()):
                 if not _spillable(value):
                     continue
-                store = self._store(value.device)
-                storage = value.untyped_storage()
-                ranges = _in_rows(value, self.row_block)
+                local, rebuild = local_tensor(value), rebuilder(value)  # NOTE [sharded state]
+                store = self._store(local.device)
+                storage = local.untyped_storage()
+                ranges = None if rebuild is not None else _in_rows(value, self.row_block)
                 copy = blocks = None
                 if ranges is None:
                     copy = store.finish(storage, store.begin(storage))  # raises: stays resident
@@ -326,10 +344,13 @@ class StateStore:
                     placeholder,
                     copy,
                     storage.nbytes(),
-                    value.storage_offset(),
-                    value.dtype,
-                    value.device,
+                    int(local.storage_offset()),
+                    local.dtype,
+                    local.device,
                     blocks,
+                    rebuild,
+                    tuple(local.shape),
+                    tuple(local.stride()),
                 )
                 values[key] = placeholder
                 self.bytes_written += storage.nbytes()
@@ -408,6 +429,10 @@ class StateStore:
         store = self._store(record.device)
         loaded = store.ready(store.read(record.copy, record.nbytes))
         tensor = torch.empty(0, dtype=record.dtype, device=record.device)
+        if record.rebuild is not None:  # NOTE [sharded state]
+            tensor.set_(loaded, record.storage_offset, record.shape, record.stride)
+            self.bytes_read += record.nbytes
+            return record.rebuild(tensor)
         tensor.set_(loaded, record.storage_offset, value.shape, value.stride())
         self.bytes_read += record.nbytes
         return tensor

@@ -10,17 +10,32 @@ Pure Python, no torch (tested on hand-made records).
 # ``torch.utils.checkpoint`` keeps for its recomputation, what a custom Function keeps on its
 # ``ctx``, what a step recorded with ``saved_tensors=False`` saved); a *temporary*: made during
 # the step and freed within it; *other*: the rest (buffers, the input batch, outputs that outlive
-# the step such as the loss).
+# the step such as the loss). Under FSDP2 three more (docs/api.md §11): this rank's shard of a
+# parameter (``sharded_parameter``), a parameter FSDP2 gathered whole for a while, and the
+# flat all-gather buffer (``unsharded_parameter``), the buffer a reduce-scatter reads
+# (``reduce_scatter``); gradients and optimizer state are this rank's shards.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
-from tensorscope.plan.data import CATEGORIES, StepRecord, StorageRecord
+from tensorscope.plan.data import CATEGORIES, StepRecord, StorageRecord, categories_of
 from tensorscope.plan.model import BlockCall, Lifetime, MemoryPlan, OpInfo
 
 __all__ = ["backward_spans", "build_plan", "categorize", "plan_device", "sweep"]
+
+# roles that are their own category (NOTE [categories])
+_OWN_CATEGORY = frozenset(
+    (
+        "parameter",
+        "gradient",
+        "optimizer_state",
+        "sharded_parameter",
+        "unsharded_parameter",
+        "reduce_scatter",
+    )
+)
 
 
 def backward_spans(phases: Sequence[str]) -> list[tuple[int, int]]:
@@ -58,7 +73,7 @@ def categorize(
         'temporary'
     """
     role = storage.role
-    if role in ("parameter", "gradient", "optimizer_state"):
+    if role in _OWN_CATEGORY:
         return role
     if role != "buffer":
         if storage.saved:
@@ -85,7 +100,7 @@ def plan_device(storages: Sequence[StorageRecord]) -> str:
     totals: dict[str, tuple[int, int]] = {}
     for s in storages:
         params, every = totals.get(s.device, (0, 0))
-        if s.role == "parameter":
+        if s.role in ("parameter", "sharded_parameter"):
             params += s.nbytes
         totals[s.device] = (params, every + s.nbytes)
     if not totals:
@@ -130,11 +145,12 @@ def _at_peak_by_tier(
         if op > peak:
             break
         tiers.update(changes)
-    table: dict[str, dict[str, int]] = {"device": dict.fromkeys(CATEGORIES, 0)}
+    shown = categories_of(life.category for life in lifetimes)
+    table: dict[str, dict[str, int]] = {"device": dict.fromkeys(shown, 0)}
     for life in lifetimes:
         if life.device == device and life.nbytes and life.alive_at(peak, n_ops):
             tier = tiers.get(life.index, "device")
-            row = table.setdefault(tier, dict.fromkeys(CATEGORIES, 0))
+            row = table.setdefault(tier, dict.fromkeys(shown, 0))
             row[life.category] += life.nbytes
     return table
 
@@ -250,8 +266,11 @@ def build_plan(record: StepRecord) -> MemoryPlan:
     rows = sweep(intervals, n_ops, len(CATEGORIES))
     totals = [sum(row) for row in rows]
     peak = max(range(n_ops), key=lambda op: (totals[op], -op)) if n_ops else 0
+    shown = categories_of(life.category for life in lifetimes)
+    at = [rank[c] for c in shown]
     timeline = [
-        (op, ops[op].start_s, dict(zip(CATEGORIES, rows[op], strict=True))) for op in range(n_ops)
+        (op, ops[op].start_s, {c: rows[op][k] for c, k in zip(shown, at, strict=True)})
+        for op in range(n_ops)
     ]
     infos = []
     for op in ops:
@@ -262,7 +281,7 @@ def build_plan(record: StepRecord) -> MemoryPlan:
         if call < 0 and op.forward_op >= 0:
             call = ops[op.forward_op].call
         infos.append(OpInfo(op.name, op.start_s, site, block_of(call), op.phase))
-    at_peak = dict(timeline[peak][2]) if n_ops else dict.fromkeys(CATEGORIES, 0)
+    at_peak = dict(timeline[peak][2]) if n_ops else dict.fromkeys(shown, 0)
     return MemoryPlan(
         peak_bytes=totals[peak] if n_ops else 0,
         peak_op=peak,

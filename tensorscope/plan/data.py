@@ -13,34 +13,68 @@ and is alive from op 0.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 __all__ = [
     "CATEGORIES",
     "PHASES",
     "ROLES",
+    "SHARDED_CATEGORIES",
     "CallRecord",
     "OpRecord",
     "StepRecord",
     "StorageRecord",
+    "categories_of",
 ]
 
 #: The categories of ``MemoryPlan.at_peak``, in the order they are stacked and printed.
 CATEGORIES: tuple[str, ...] = (
     "parameter",
+    "sharded_parameter",
+    "unsharded_parameter",
     "gradient",
     "optimizer_state",
     "activation",
     "temporary",
+    "reduce_scatter",
     "other",
 )
+
+#: FSDP2's own categories (docs/api.md §11): a plan shows them only where it has such storages.
+SHARDED_CATEGORIES: tuple[str, ...] = ("sharded_parameter", "unsharded_parameter", "reduce_scatter")
+
+
+def categories_of(present: Iterable[str]) -> tuple[str, ...]:
+    """The categories a plan shows, given those of its storages: all of :data:`CATEGORIES`
+    but FSDP2's own where no storage has them.
+
+    Example:
+        >>> categories_of(["parameter"])[:3], len(categories_of(["reduce_scatter"]))
+        (('parameter', 'gradient', 'optimizer_state'), 9)
+    """
+    found = set(present)
+    if not found.intersection(SHARDED_CATEGORIES):
+        return tuple(c for c in CATEGORIES if c not in SHARDED_CATEGORIES)
+    return CATEGORIES
+
 
 #: What was running when an op ran: a forward (anything outside the other two), autograd's
 #: backward, or an optimizer's ``step``/``zero_grad``.
 PHASES: tuple[str, ...] = ("forward", "backward", "optimizer")
 
 #: What the recorder learned a storage is, besides what ops did with it ("" for nothing).
-ROLES: tuple[str, ...] = ("", "parameter", "buffer", "gradient", "optimizer_state")
+#: FSDP2 adds three (docs/api.md §11; NOTE [what FSDP2 holds] in tensorscope/_sharded.py).
+ROLES: tuple[str, ...] = (
+    "",
+    "parameter",
+    "buffer",
+    "gradient",
+    "optimizer_state",
+    "sharded_parameter",
+    "unsharded_parameter",
+    "reduce_scatter",
+)
 
 
 @dataclass

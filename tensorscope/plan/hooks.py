@@ -28,6 +28,7 @@ import torch
 
 from tensorscope import _step_hooks
 from tensorscope._modes import skip_in_dynamo
+from tensorscope._sharded import dtensor_class, fsdp2_modules
 from tensorscope._torch import graph_task_id
 from tensorscope.plan.mode import recorder_here
 from tensorscope.plan.recorder import Recorder, Watch
@@ -38,11 +39,24 @@ _handles: list[Any] = []
 _users: list[int] = []  # one entry per open recording
 _Tensor = torch.Tensor
 _compiling = torch.compiler.is_compiling
+_RESIZE: list[Any] = []  # UntypedStorage.resize_ as it was before install()
+_DTENSOR: list[type | None] = [None]  # DTensor, once loaded: FSDP2's sharded parameters
+
+
+def _resize(storage: torch.UntypedStorage, size: int) -> Any:
+    """``UntypedStorage.resize_`` while a recording is open (NOTE [resized storages])."""
+    before = storage.nbytes()
+    out = _RESIZE[0](storage, size)
+    rec = recorder_here()
+    if rec is not None:
+        rec.resized(storage, before)
+    return out
 
 
 def install() -> None:
     """Install the hooks (the first open recording does; callers hold record.py's lock)."""
     _users.append(1)
+    _DTENSOR[0] = dtensor_class()
     if _handles:
         return
     module_hooks: Any = torch.nn.modules.module
@@ -54,6 +68,9 @@ def install() -> None:
     # torch's optimizer hooks are not touched again once registered (see _step_hooks.py)
     _handles.append(_step_hooks.add_pre(_at_step, rank=0))
     _handles.append(_step_hooks.add_post(_at_step, rank=0))
+    storage: Any = torch.UntypedStorage
+    _RESIZE.append(storage.resize_)
+    storage.resize_ = _resize
 
 
 def uninstall() -> None:
@@ -64,6 +81,9 @@ def uninstall() -> None:
         return
     while _handles:
         _handles.pop().remove()
+    if _RESIZE:
+        storage: Any = torch.UntypedStorage
+        storage.resize_ = _RESIZE.pop()
 
 
 def tensors_in(value: Any, depth: int = 0) -> Iterator[torch.Tensor]:
@@ -106,6 +126,8 @@ def _name_tree(rec: Recorder, root: torch.nn.Module) -> None:
         prefix = ""
     rec.roots = [r for r in rec.roots if r not in ids]
     rec.roots.append(key)
+    if fsdp2_modules(root):  # NOTE [what FSDP2 holds] (_sharded.py): classified at close
+        rec.sharded_roots.append(weakref.ref(root))
     for name, module in tree.items():
         name = _without_compile_wrapper(name)
         path = f"{prefix}.{name}" if prefix and name else prefix or name
@@ -179,7 +201,8 @@ def _note_parameter(rec: Recorder, param: torch.Tensor, name: str = "") -> Watch
     w = rec.watch(param, -1)
     if w is None:
         return None
-    w.role = "parameter"
+    sharded = _DTENSOR[0] is not None and isinstance(param, _DTENSOR[0])
+    rec.mark(param, "sharded_parameter" if sharded else "parameter", None)
     if w.index not in rec.param_seen:
         rec.param_seen.add(w.index)
         rec.params.append(weakref.ref(param))
@@ -209,5 +232,12 @@ def _at_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
 
 
 skip_in_dynamo(
-    _before_forward, _after_forward, _at_step, _note_parameter, _note_state, _path, _name_tree
+    _resize,
+    _before_forward,
+    _after_forward,
+    _at_step,
+    _note_parameter,
+    _note_state,
+    _path,
+    _name_tree,
 )

@@ -18,6 +18,22 @@ saved tensors, torch.compile'd calls).
 # ``untyped_storage()`` and one dict lookup; a fresh storage adds a weak reference. In forward,
 # each result with a ``grad_fn`` gets the op's index in the node's ``metadata``, so an op of the
 # backward knows whose backward it runs (``torch._C._current_autograd_node()``).
+#
+# NOTE [DDP's buckets]
+# DDP's reducer copies each gradient into a flat bucket and all-reduces the bucket: memory the
+# reducer allocates once and keeps between steps, which no op of the step makes. The recorder
+# first sees a bucket in the backward (a ``copy_`` into it), where a storage seen for the first
+# time counts as made just then (NOTE [first sight], recorder.py); so a storage an all-reduce
+# reads that was first seen that way is counted as existing before the step instead, from op 0
+# -- what the step really holds, which ``ts.fit``'s budget must count (docs/api.md §11).
+#
+# NOTE [through DTensor]
+# A mode runs before a tensor subclass's own ``__torch_dispatch__``: an op on FSDP2's sharded
+# parameters, gradients and optimizer state (``DTensor``s, wrapper subclasses without memory
+# of their own) would be seen as one op on storage-less wrappers. For those the mode returns
+# ``NotImplemented``: DTensor runs first and desugars into ops on its local tensors, which come
+# back through the mode (what torch's own ``FSDPMemTracker`` does). Everything is counted on
+# the local tensors, this rank's bytes.
 """
 
 from __future__ import annotations
@@ -31,6 +47,7 @@ import torch
 
 from tensorscope._modes import DispatchMode, skip_in_dynamo
 from tensorscope._optable import ENTER, FRESH_INPUT, MUTATING, TABLE, op_info
+from tensorscope._sharded import dtensor_class
 from tensorscope._sites import Site, capture_site
 from tensorscope._torch import ACCUMULATE_GRAD, current_autograd_node, graph_task_id, plain_alias
 from tensorscope.plan.recorder import BACKWARD, FORWARD, OPTIMIZER, Recorder, Watch
@@ -42,6 +59,7 @@ __all__ = [
     "observe_compiled",
     "pack",
     "recorder_here",
+    "see_through",
     "unpack",
 ]
 
@@ -60,6 +78,24 @@ _is_grad_enabled = torch.is_grad_enabled
 _GRADIENT = "gradient"
 _weak = weakref.ref
 _compiling = torch.compiler.is_compiling
+# NOTE [through DTensor]: the wrapper subclasses whose ops the mode lets desugar first
+_THROUGH: list[tuple[type, ...]] = [()]
+# what a collective's tensor argument holds (NOTE [what FSDP2 holds], _sharded.py):
+# op name -> (argument index, role)
+_COLLECTIVE_ROLES = {
+    "c10d::_allgather_base_": (0, "unsharded_parameter"),
+    "c10d::allgather_into_tensor_coalesced_": (0, "unsharded_parameter"),
+    "c10d::_reduce_scatter_base_": (1, "reduce_scatter"),
+    "c10d::reduce_scatter_tensor_coalesced_": (1, "reduce_scatter"),
+    "c10d::allreduce_": (0, ""),  # NOTE [DDP's buckets]
+}
+
+
+def see_through() -> None:
+    """Note the wrapper subclasses loaded now whose ops the mode sees as their local ops
+    (NOTE [through DTensor]); a recording calls it as it opens."""
+    found = dtensor_class()
+    _THROUGH[0] = (found,) if found is not None else ()
 
 
 def recorder_here() -> Recorder | None:
@@ -94,6 +130,8 @@ class PlanMode(DispatchMode):
         args: tuple[Any, ...] = (),
         kwargs: dict[str, Any] | None = None,
     ) -> Any:
+        if types and _THROUGH[0] and any(issubclass(t, _THROUGH[0]) for t in types):
+            return NotImplemented  # NOTE [through DTensor]
         info = TABLE.get(id(func))
         if info is None:
             info = op_info(func)
@@ -206,6 +244,9 @@ def _record_op(
                 reads_gradient = True
     if reads_gradient and phase == FORWARD:
         rec.gradient_readers.append(name)
+    collective = _COLLECTIVE_ROLES.get(name)
+    if collective is not None:
+        _mark_collective(rec, args, *collective)
     if kind == _MUTATING or out is None:
         return
     outs = out if type(out) is tuple or type(out) is list else (out,)
@@ -239,6 +280,21 @@ def _record_op(
         _tag_update(rec, args, outs, made)
 
 
+def _mark_collective(rec: Recorder, args: tuple[Any, ...], at: int, role: str) -> None:
+    """The buffer a collective writes or reads is what FSDP2 holds (NOTE [what FSDP2 holds]),
+    or a DDP bucket (NOTE [DDP's buckets])."""
+    arg = args[at] if at < len(args) else None
+    for tensor in arg if type(arg) is list or type(arg) is tuple else (arg,):
+        if not isinstance(tensor, _Tensor):
+            continue
+        if role:
+            rec.mark(tensor, role, None)
+            continue
+        w = rec.watch(tensor, -1)
+        if w is not None and w.unseen and w.created >= 0:
+            w.created = -1  # NOTE [DDP's buckets]: kept by the reducer between steps
+
+
 def name_nodes(rec: Recorder) -> None:
     """Give the autograd nodes of the previous ops' results their op's index."""
     for ref, index in rec.pending_nodes:
@@ -254,7 +310,7 @@ def name_nodes(rec: Recorder) -> None:
 def _owner_index(w: Watch | None) -> int:
     if w is None:
         return -1
-    return w.index if w.role == "parameter" else w.owner
+    return w.index if w.role in ("parameter", "sharded_parameter") else w.owner
 
 
 def _tag_update(rec: Recorder, args: tuple[Any, ...], outs: Any, made: list[Watch]) -> None:
@@ -334,6 +390,7 @@ skip_in_dynamo(
     _region,
     _use,
     _record_op,
+    _mark_collective,
     name_nodes,
     _owner_index,
     _tag_update,

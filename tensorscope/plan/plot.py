@@ -20,10 +20,13 @@ __all__ = ["COLORS", "save_png"]
 
 COLORS = {
     "parameter": "#4c72b0",
+    "sharded_parameter": "#64b5cd",
+    "unsharded_parameter": "#8da0cb",
     "gradient": "#dd8452",
     "optimizer_state": "#8172b3",
     "activation": "#55a868",
     "temporary": "#c44e52",
+    "reduce_scatter": "#ccb974",
     "other": "#8c8c8c",
 }
 _PHASE_SHADES = {"backward": "#f2f2f2", "optimizer": "#e6e6f5"}
@@ -54,7 +57,8 @@ def save_png(plan: MemoryPlan, path: Any, *, title: str | None = None) -> None:
     text = check_writable(path, "save_png()")
     scale, unit = _unit(plan.peak_bytes)
     ops = [row[0] for row in plan.timeline]
-    series = [[row[2][category] / scale for row in plan.timeline] for category in CATEGORIES]
+    shown = [c for c in CATEGORIES if c in plan.at_peak]
+    series = [[row[2].get(c, 0) / scale for row in plan.timeline] for c in shown]
     figure = figure_type(figsize=(11, 5.5), dpi=110)
     canvas_type(figure)
     axes = figure.add_subplot(1, 1, 1)
@@ -62,8 +66,8 @@ def save_png(plan: MemoryPlan, path: Any, *, title: str | None = None) -> None:
     axes.stackplot(
         ops,
         *series,
-        labels=[c.replace("_", " ") for c in CATEGORIES],
-        colors=[COLORS[c] for c in CATEGORIES],
+        labels=[c.replace("_", " ") for c in shown],
+        colors=[COLORS[c] for c in shown],
         step="post",
         linewidth=0,
     )

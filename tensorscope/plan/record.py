@@ -29,7 +29,7 @@ from tensorscope.errors import ArgumentTypeError, PlanError
 from tensorscope.plan.analysis import build_plan
 from tensorscope.plan.data import StepRecord
 from tensorscope.plan.hooks import install, uninstall
-from tensorscope.plan.mode import OPEN, PlanMode, observe_compiled, pack, unpack
+from tensorscope.plan.mode import OPEN, PlanMode, observe_compiled, pack, see_through, unpack
 from tensorscope.plan.model import MemoryPlan
 from tensorscope.plan.recorder import Recorder
 from tensorscope.plan.tiers import tier_reader
@@ -74,6 +74,7 @@ class Recording:
         mode = PlanMode(rec)
         with _lock:
             OPEN[thread] = rec
+            see_through()
             install()
             _compiled.OBSERVERS.append(observe_compiled)
         self._recorder = rec

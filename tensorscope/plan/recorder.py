@@ -16,6 +16,16 @@
 # buffers its external kernels write into) is first seen after the graph made it, so inside a
 # compiled call, in a backward (outside an optimizer step: optimizer-in-backward meets its state
 # there), or in a saved-tensor hook a storage first seen counts as made by the latest op.
+#
+# NOTE [resized storages]
+# ``storage.resize_()`` changes a storage's bytes without an op: the dispatcher never sees it
+# (FSDP2 frees an unsharded parameter with ``resize_(0)`` after each use and gathers it into
+# the same storage again). While a recording is open ``UntypedStorage.resize_`` is wrapped
+# (hooks.py, as torch's ``MemTracker`` does), and each size a storage takes is one record of
+# its own: a resize ends the storage's current record before the next op (as a free would)
+# and, if it has bytes, begins another, made before the next op, that keeps what is known of
+# it (its role, name, owner). A plan then shows each time FSDP2 gathered a parameter as one
+# lifetime.
 """
 
 from __future__ import annotations
@@ -27,6 +37,7 @@ from collections.abc import Callable
 
 import torch
 
+from tensorscope._sharded import local_tensor, shard_storages
 from tensorscope._sites import Site
 from tensorscope.plan.data import CallRecord, OpRecord, StepRecord, StorageRecord
 from tensorscope.plan.sites import site_text
@@ -34,7 +45,16 @@ from tensorscope.plan.sites import site_text
 __all__ = ["FORWARD", "Recorder", "Watch"]
 
 FORWARD, BACKWARD, OPTIMIZER = "forward", "backward", "optimizer"
-_ROLE_RANK = {"": 0, "buffer": 1, "optimizer_state": 2, "gradient": 3, "parameter": 4}
+_ROLE_RANK = {
+    "": 0,
+    "buffer": 1,
+    "optimizer_state": 2,
+    "gradient": 3,
+    "parameter": 4,
+    "reduce_scatter": 5,
+    "sharded_parameter": 6,
+    "unsharded_parameter": 6,
+}
 _strided = torch.strided
 _Tensor = torch.Tensor
 _Parameter = torch.nn.Parameter
@@ -65,6 +85,7 @@ class Watch(weakref.ref):  # type: ignore[type-arg]
         "saved_by",
         "shape",
         "site",
+        "unseen",
     )
 
     rec: Recorder
@@ -88,14 +109,16 @@ class Watch(weakref.ref):  # type: ignore[type-arg]
     saved_by: tuple[int, ...]
     call: int
     managed: int  # the StorageImpl's address when the residency manager manages it, else 0
+    unseen: bool  # first seen in a backward or compiled call, made by no op seen (NOTE [first ...])
 
 
 def _released(watch: Watch) -> None:
     """The storage died: it was freed before the op about to begin."""
     rec = watch.rec
-    if rec.open:
+    if rec.open and watch.freed is None:  # not a record a resize ended (NOTE [resized ...])
         watch.freed = rec.n_ops
-        rec.live.pop(watch.key, None)
+        if rec.live.get(watch.key) is watch:
+            del rec.live[watch.key]
         rec.alive_bytes -= watch.nbytes
 
 
@@ -132,12 +155,16 @@ class Recorder:
         self.tier_reader = tier_reader
         self.tiers: dict[int, str] = {}  # storage index -> tier at the latest snapshot
         self.tier_changes: list[tuple[int, dict[int, str]]] = []
+        self.sharded_roots: list[weakref.ref[torch.nn.Module]] = []  # FSDP2 models that ran
 
     # ----------------------------------------------------------------------------- storages
     def watch(self, tensor: torch.Tensor, created: int, site: Site = None) -> Watch | None:
-        """The record of ``tensor``'s storage, made now if first seen (see the NOTE)."""
+        """The record of ``tensor``'s storage, made now if first seen (see the NOTE); a
+        ``DTensor``'s is its local tensor's (NOTE [through DTensor], mode.py)."""
         if tensor.layout is not _strided:
             return None
+        if type(tensor) is not _Tensor and type(tensor) is not _Parameter:
+            tensor = local_tensor(tensor)
         try:
             storage = tensor.untyped_storage()
         except (RuntimeError, NotImplementedError):  # torch.func's wrappers, fake tensors
@@ -152,40 +179,65 @@ class Recorder:
     ) -> Watch:
         """A record for a storage seen for the first time (``created``: -1 if it existed before
         the step, unless it was seen where that cannot be: see the NOTE on first sight)."""
-        key = id(storage)
-        if created < 0 and (
+        unseen = created < 0 and (
             self.compiled_depth
             or (not self.optimizer_depth and torch._C._current_graph_task_id() != -1)
-        ):
+        )
+        if unseen:
             created = max(self.n_ops - 1, 0)  # made unseen just now (see the NOTE)
+        kind = type(tensor)
+        parameter = kind is _Parameter or (kind is not _Tensor and isinstance(tensor, _Parameter))
+        w = self._begin(
+            storage,
+            created,
+            site,
+            0 if tensor.is_meta else storage.nbytes(),
+            tensor.shape,  # made text at close: the hot path keeps torch's own objects
+            tensor.dtype,
+            tensor.device,
+            "parameter" if parameter else "",
+        )
+        w.unseen = bool(unseen)
+        return w
+
+    def _begin(
+        self,
+        storage: torch.UntypedStorage,
+        created: int,
+        site: Site,
+        nbytes: int,
+        shape: torch.Size,
+        dtype: torch.dtype,
+        device: torch.device,
+        role: str,
+    ) -> Watch:
         w = Watch(storage, _released)
         w.rec = self
-        w.key = key
-        w.nbytes = 0 if tensor.is_meta else storage.nbytes()
+        w.key = id(storage)
+        w.nbytes = nbytes
         w.created = created
         w.freed = None
         w.last_use = w.last_forward_use = w.first_backward_use = w.last_backward_use = -1
         w.site = site
-        w.shape = tensor.shape  # made text at close: the hot path keeps torch's own objects
-        w.dtype = tensor.dtype
-        w.device = tensor.device
-        kind = type(tensor)
-        parameter = kind is _Parameter or (kind is not _Tensor and isinstance(tensor, _Parameter))
-        w.role = "parameter" if parameter else ""
+        w.shape = shape
+        w.dtype = dtype
+        w.device = device
+        w.role = role
         w.name = ""
         w.owner = -1
         w.saved = False
         w.saved_by = ()
         w.call = self.stack[-1] if self.stack else -1
         w.managed = 0
+        w.unseen = False
         w.index = len(self.watches)
         self.watches.append(w)
-        self.live[key] = w
+        self.live[w.key] = w
         if self.tier_reader is not None:
             address = int(storage._cdata)
             if self.tier_reader(address) is not None:
                 w.managed = address
-        self.alive_bytes += w.nbytes
+        self.alive_bytes += nbytes
         if self.alive_bytes > self.high_bytes:
             self.new_high()
         return w
@@ -201,6 +253,29 @@ class Recorder:
             w.owner = owner.index
         if name and not w.name:
             w.name = name
+
+    def resized(self, storage: torch.UntypedStorage, before: int) -> None:
+        """``storage`` was resized from ``before`` bytes (NOTE [resized storages])."""
+        key = id(storage)
+        nbytes = storage.nbytes()
+        w = self.live.get(key)
+        if w is None and before:  # not seen yet: its bytes so far existed before the step
+            shape = torch.Size([before])
+            w = self._begin(storage, -1, None, before, shape, torch.uint8, storage.device, "")
+        if w is not None and w.nbytes == nbytes:
+            return
+        if w is not None:
+            w.freed = self.n_ops
+            del self.live[key]
+            self.alive_bytes -= w.nbytes
+        if not nbytes:
+            return
+        if w is None:
+            shape = torch.Size([nbytes])
+            self._begin(storage, self.n_ops, None, nbytes, shape, torch.uint8, storage.device, "")
+            return
+        again = self._begin(storage, self.n_ops, w.site, nbytes, w.shape, w.dtype, w.device, w.role)
+        again.name, again.owner, again.call = w.name, w.owner, w.call
 
     def new_high(self) -> None:
         """The step's bytes reached a new high: read the managed storages' tiers."""
@@ -240,6 +315,23 @@ class Recorder:
         call.outputs = outputs
 
     # ------------------------------------------------------------------------------ closing
+    def _sharded_roles(self) -> None:
+        """What the FSDP2 models that ran hold (NOTE [what FSDP2 holds], _sharded.py): each
+        record of those storages (every size they took) gets its role and parameter name."""
+        roles: dict[int, tuple[str, str]] = {}
+        for ref in self.sharded_roots:
+            root = ref()
+            if root is not None:
+                roles.update(shard_storages(root))
+        if not roles:
+            return
+        for w in self.watches:
+            storage = w()
+            found = roles.get(id(storage)) if storage is not None else None
+            if found is not None:
+                w.role, name = found
+                w.name = name or w.name
+
     def close(self) -> StepRecord:
         """Stop recording and return what was seen as plain data (no torch state kept)."""
         self.open = False
@@ -249,6 +341,7 @@ class Recorder:
         for index in reversed(self.stack):  # calls still open (an exception): end them now
             self.calls[index].end = self.n_ops
             self.calls[index].end_s = self.end_s
+        self._sharded_roles()
         texts: dict[object, int] = {None: 0}
         sites = [""]
 

@@ -25,6 +25,9 @@ def describe(life: Lifetime) -> str:
     return f"{shape} {life.dtype}  {where}"
 
 
+_SHARDED = ("sharded_parameter", "unsharded_parameter", "reduce_scatter")
+
+
 def summary(plan: MemoryPlan) -> str:
     """The text ``str(plan)`` returns."""
     peak = plan.peak_bytes
@@ -36,11 +39,14 @@ def summary(plan: MemoryPlan) -> str:
         f"{len(plan.lifetimes)} storages, {len(plan.blocks)} modules",
         "  at the peak:",
     ]
-    for category in CATEGORIES:
+    # FSDP2's own categories only where they hold bytes
+    shown = [c for c in CATEGORIES if plan.at_peak.get(c, 0) or c not in _SHARDED]
+    width = max(16, *(len(c) + 1 for c in shown))
+    for category in shown:
         nbytes = plan.at_peak.get(category, 0)
         share = 100.0 * nbytes / peak if peak else 0.0
-        lines.append(f"    {category:<16}{format_bytes(nbytes):>12}  {share:5.1f}%")
-    lines.append(f"    {'total':<16}{format_bytes(peak):>12}")
+        lines.append(f"    {category:<{width}}{format_bytes(nbytes):>12}  {share:5.1f}%")
+    lines.append(f"    {'total':<{width}}{format_bytes(peak):>12}")
     if plan.at_peak_by_tier is not None:
         tiers = ", ".join(
             f"{tier} {format_bytes(sum(row.values()))}"

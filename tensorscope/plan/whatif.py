@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING, Any
 
 from tensorscope._units import format_bytes
 from tensorscope.errors import ArgumentTypeError, InvalidArgumentError
-from tensorscope.plan.data import CATEGORIES
+from tensorscope.plan.data import CATEGORIES, categories_of
 
 if TYPE_CHECKING:
     from tensorscope.plan.model import BlockCall, Lifetime, MemoryPlan
@@ -337,9 +337,10 @@ def predict(
     if without_backward:
         notes.append(f"no backward ran for {', '.join(without_backward)}: nothing to recompute")
     peak, split = peak_of(state.all(), len(CATEGORIES))
+    shown = categories_of(life.category for life in plan.lifetimes)
     return Prediction(
         peak_bytes=peak,
-        at_peak=dict(zip(CATEGORIES, split, strict=True)),
+        at_peak={c: split[k] for k, c in enumerate(CATEGORIES) if c in shown},
         saved_bytes=plan.peak_bytes - peak,
         changes=tuple(changes),
         notes=tuple(notes),

@@ -31,8 +31,8 @@ LAYERS: list[tuple[str, ...]] = [
     ("_engine",),  # the C++ scope engine, when built
     # typed doors to torch internals; creation sites; our global optimizer-step hooks
     # what copies of a module leave out (hooks and attributes of ours); the op table; the
-    # base of our torch modes
-    ("_torch", "_sites", "_step_hooks", "_copies", "_optable", "_modes"),
+    # base of our torch modes; doors to FSDP2/DDP
+    ("_torch", "_sites", "_step_hooks", "_copies", "_optable", "_modes", "_sharded"),
     ("_state", "_slot"),  # ref records and the owner contract; the residency slot
     ("_thread",),  # per-thread state
     ("_plain", "_reach"),  # plain-tensor protocols of refs; tensors reachable from a value

@@ -41,6 +41,7 @@ PURE = [
     "tensorscope.plan.summary",
     "tensorscope.plan.snapshot",
     "tensorscope.fit.account",
+    "tensorscope.fit.agree",
     "tensorscope.fit.decide",
     "tensorscope.fit.report",
     "tensorscope.fit.offload_rules",

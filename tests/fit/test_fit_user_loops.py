@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import tensorscope as ts
-from tensorscope.errors import FitWarning
+from tensorscope.errors import FitWarning, InvalidArgumentError
 
 from .fit_helpers import batches, differing, optimizer, step, tiny, twin
 
@@ -108,3 +108,26 @@ def test_accumulation_that_starts_after_the_recorded_step_is_said_and_then_exact
         assert _accumulating_step(model, opt, micro, i) == _accumulating_step(ref, ropt, micro, i)
         assert not differing(model, ref)
     fit.remove()
+
+
+def test_a_second_backward_through_the_blocks_is_a_clear_error_and_loses_nothing() -> None:
+    """retain_graph=True, then another backward through the same forward: the chain freed the
+    blocks' activations; the error says what to do, and the next steps train as plain."""
+    model = tiny("gpt2")
+    ref = twin(model)
+    opt, ropt = optimizer("adamw", model), optimizer("adamw", ref)
+    fit = ts.fit(model, opt, budget="1GiB")
+    mine, other = batches("gpt2"), batches("gpt2")
+    try:
+        out = model(**next(mine))
+        next(other)  # the twin skips the failed step's batch
+        out.loss.backward(retain_graph=True)
+        with pytest.raises(InvalidArgumentError, match=r"\(loss \+ aux\)\.backward\(\)"):
+            out.logits.float().pow(2).mean().backward()
+        opt.zero_grad()
+        assert not differing(model, ref)  # the failed step updated nothing (gradients kept)
+        for i in range(4):
+            assert step(model, opt, next(mine), seed=i) == step(ref, ropt, next(other), seed=i)
+            assert not differing(model, ref)
+    finally:
+        fit.remove()

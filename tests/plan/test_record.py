@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 import tensorscope as ts
-from tensorscope.plan.data import CATEGORIES
+from tensorscope.plan.data import categories_of
 
 from ._support import allocator_peak, mlp, mlp_step, state_tensors, storage_bytes
 
@@ -72,7 +72,7 @@ def test_timeline_and_lifetimes() -> None:
     plan = _record(mlp_step(model, opt))
     assert len(plan.timeline) == len(plan.ops)
     for op, seconds, row in plan.timeline:
-        assert set(row) == set(CATEGORIES)
+        assert set(row) == set(categories_of(()))
         assert seconds == plan.ops[op].seconds
     assert sum(plan.timeline[plan.peak_op][2].values()) == plan.peak_bytes
     assert max(sum(row.values()) for _, _, row in plan.timeline) == plan.peak_bytes
@@ -265,3 +265,27 @@ def test_another_threads_backward_is_not_recorded() -> None:
     b_bytes = sum(p.nbytes for p in b.parameters())
     assert plan.peak_bytes < b_bytes  # A's whole step is smaller than B's weight alone
     assert plan.at_peak["optimizer_state"] == 0
+
+
+def test_a_resized_storage_is_one_lifetime_per_size() -> None:
+    """FSDP2 frees a gathered parameter with ``storage.resize_(0)`` and gathers into the same
+    storage again (NOTE [resized storages]): each size is a lifetime, and the timeline follows."""
+    gathered = torch.empty(64 * 1024)  # 256 KiB, alive before the step
+    other = torch.ones(1024)
+    storage = gathered.untyped_storage()
+    nbytes = storage.nbytes()
+    original = torch.UntypedStorage.resize_
+    with ts.record() as rec:
+        a = other * 2  # op 0: the gathered bytes are alive
+        storage.resize_(0)  # freed before op 1
+        b = a + 1  # op 1
+        storage.resize_(nbytes)  # gathered again before op 2
+        gathered.fill_(3.0)  # op 2
+        c = b * 2  # op 3
+    del a, b, c
+    plan = rec.plan()
+    lives = [life for life in plan.lifetimes if life.nbytes == nbytes]
+    assert [(life.created, life.freed) for life in lives] == [(-1, 1), (2, None)]
+    totals = [sum(row[2].values()) for row in plan.timeline]
+    assert totals[1] + nbytes == totals[2] and totals[0] - totals[1] == nbytes - 4096
+    assert torch.UntypedStorage.resize_ is original  # the wrapper is gone at the close

@@ -14,6 +14,7 @@ from torch import nn
 from tensorscope.checkpoint.blocks import CheckpointedChain, find_blocks
 from tensorscope.errors import InvalidArgumentError
 from tensorscope.fit.parts import Decided, Part, Step
+from tensorscope.fit.parts.across import AcrossRanks
 from tensorscope.fit.parts.offload import ActivationOffload
 from tensorscope.fit.parts.place import ParamPlacement
 
@@ -40,14 +41,20 @@ def find_the_chain(model: nn.Module, blocks: str | None) -> tuple[CheckpointedCh
 
 class ChainExecutor(Part):
     """Routes the chain's blocks from attach to detach (NOTE [routing a model's blocks],
-    checkpoint/routes.py); applies a decision's schedule, offload and placement to it."""
+    checkpoint/routes.py); applies a decision's schedule, offload and placement to it; FSDP2's
+    sharded blocks gathered around their recomputation (NOTE [recomputing a sharded block])."""
 
     def __init__(
-        self, chain: CheckpointedChain | None, offload: ActivationOffload, place: ParamPlacement
+        self,
+        chain: CheckpointedChain | None,
+        offload: ActivationOffload,
+        place: ParamPlacement,
+        across: AcrossRanks,
     ) -> None:
         self.chain = chain
         self._offload = offload
         self._place = place
+        self._across = across
 
     def attach(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
         if self.chain is not None:
@@ -61,7 +68,7 @@ class ChainExecutor(Part):
         chain, chosen = self.chain, decided.decision.chosen
         if chain is None:
             return True
-        chain.placer = self._place.placer if self._place.placed else None
+        chain.placer = self._place.placer if self._place.placed else self._across.regather
         if chosen.chain_limit is None:  # the chain was not part of the decision
             return True
         chain.loss_tmp_nbytes = chosen.base.loss_tmp

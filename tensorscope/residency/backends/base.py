@@ -190,6 +190,15 @@ class Backend:
         """(reserved, allocated) of the device's caching allocator; Nones where there is none."""
         return None, None
 
+    def reset_allocator_peaks(self) -> None:
+        """Start the caching allocator's peaks afresh (nothing where there is none)."""
+        return None
+
+    def allocator_peaks(self) -> tuple[int | None, int | None]:
+        """(reserved, allocated) at their highest since :meth:`reset_allocator_peaks`; Nones
+        where there is no caching allocator."""
+        return None, None
+
     # -------------------------------------------------------------------------- primitives
     def _allocate(self, nbytes: int, seen: bool) -> torch.UntypedStorage:
         if seen:

@@ -109,3 +109,13 @@ class CudaBackend(Backend):  # pragma: no cover - needs a CUDA device
         if not torch.cuda.is_initialized():  # type: ignore[no-untyped-call]
             return None, None
         return torch.cuda.memory_reserved(self.device), torch.cuda.memory_allocated(self.device)
+
+    def reset_allocator_peaks(self) -> None:
+        if torch.cuda.is_initialized():  # type: ignore[no-untyped-call]
+            torch.cuda.reset_peak_memory_stats(self.device)
+
+    def allocator_peaks(self) -> tuple[int | None, int | None]:
+        if not torch.cuda.is_initialized():  # type: ignore[no-untyped-call]
+            return None, None
+        device = self.device
+        return torch.cuda.max_memory_reserved(device), torch.cuda.max_memory_allocated(device)
