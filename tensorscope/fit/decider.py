@@ -65,6 +65,7 @@ class Decider:
     retries: int = 0
     across: AcrossRanks | None = None
     outside_scale: float = 1.0  # NOTE [a prediction measured against]: the step outside the chain
+    offload_scale: float = 1.0  # the same NOTE: the offload's writes and reads
 
     @property
     def optimizer_note(self) -> str | None:
@@ -278,5 +279,8 @@ class Decider:
         self.offload.tier = bandwidth.tier
         return OffloadModel(
             tuple(layer.offload_nbytes for layer in layers),
-            tuple(bandwidth.seconds(p.offload_nbytes, p.offload_tensors) for p in layers),
+            tuple(
+                bandwidth.seconds(p.offload_nbytes, p.offload_tensors) * self.offload_scale
+                for p in layers
+            ),
         )

@@ -170,9 +170,14 @@ def explain(f: Facts) -> str:
         lines.append(f"    no block chain ({f.chain_note}): nothing is recomputed")
     lines.append(f"    {_offload_line(f)}")
     if d.free_gradients:
+        how = (
+            "per parameter"
+            if d.chosen.base.state_offloaded or not f.chain_blocks
+            else "a block's parameters at a time, the rest per parameter"
+        )
         lines.append(
             f"    gradients: freed at each parameter's update (optimizer-in-backward, "
-            f"{f.optimizer} run per parameter)"
+            f"{f.optimizer} run {how})"
         )
     else:
         lines.append("    gradients: kept until optimizer.step(), because")

@@ -8,7 +8,9 @@ the choice forced where the test is about what runs rather than what is chosen.
 from __future__ import annotations
 
 import contextlib
+import time
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 import torch
@@ -267,5 +269,50 @@ def test_a_failed_write_keeps_the_activation_and_warns() -> None:
         assert "offload: not considered (writing activations to the disk tier failed" in (
             fit.explain()
         )
+    finally:
+        fit.remove()
+
+
+def test_a_step_slower_than_predicted_with_offload_retimes_the_offload(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Offload predicted nearly free, measured slow (fit/handle.py, NOTE [a prediction measured
+    against]): the error goes to the offload's writes and reads, and the decision taken again
+    offloads nothing; training stays bit-identical throughout."""
+    from tensorscope.fit import offload_store
+    from tensorscope.fit.decider import Decider
+
+    monkeypatch.setattr(handle, "TIME_TOLERANCE", 0.10)  # the root conftest turns it off
+    measured = Decider.offload_model
+
+    def cheap(self: Decider) -> OffloadModel | None:  # a bandwidth measured far too high
+        model = measured(self)
+        seconds = tuple(1e-6 * self.offload_scale for _ in model.nbytes) if model else ()
+        return None if model is None else OffloadModel(model.nbytes, seconds)
+
+    read = offload_store.DiskStore.read
+
+    def slow_read(self: offload_store.DiskStore, copy: Any, nbytes: int) -> Any:
+        time.sleep(0.05)  # the disk, slower than its bandwidth measured alone
+        return read(self, copy, nbytes)
+
+    monkeypatch.setattr(Decider, "offload_model", cheap)
+    monkeypatch.setattr(offload_store.DiskStore, "read", slow_read)
+    _budget, model, plain, opt, plain_opt, fit = _fitted_and_plain()
+    try:
+        data = _data()
+        offloaded: tuple[int, ...] = ()
+        for i in range(9):
+            x = next(data)
+            _step(model, opt, x, i)
+            _step(plain, plain_opt, x, i)
+            assert differing(model, plain) == [], f"step {i + 1}"
+            if i == 2:
+                assert fit.decision is not None
+                offloaded = fit.decision.chosen.offloaded
+        assert offloaded, "the cheap offload was chosen"
+        notes = [n for n in fit.notes if "against the predicted" in n]
+        assert len(notes) == 1 and "the offload's writes and reads re-timed" in notes[0], notes
+        assert fit.decision is not None and not fit.decision.chosen.offloaded
     finally:
         fit.remove()
