@@ -50,6 +50,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 import tensorscope as ts
+from tensorscope.check.measure import profiler_peak
 
 Step = Callable[[], None]
 
@@ -104,19 +105,7 @@ def existing_bytes(model: nn.Module, opts: list[torch.optim.Optimizer], step: St
 
 def allocator_increase(step: Step) -> int:
     """The highest bytes torch's CPU allocator held above its start during ``step``."""
-    from torch._C._profiler import _EventType
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        step()
-    peak = 0
-    todo = list(prof.profiler.kineto_results.experimental_event_tree())
-    while todo:
-        event = todo.pop()
-        if event.tag == _EventType.Allocation:
-            peak = max(peak, event.extra_fields.total_allocated)
-        todo.extend(event.children)
-    return peak
+    return profiler_peak(step)
 
 
 def reference_peak(model: nn.Module, opts: list[torch.optim.Optimizer], step: Step) -> int:

@@ -26,6 +26,7 @@ __all__ = [
     "allocator",
     "gpt2",
     "median_seconds",
+    "profiler_peak",
     "sync",
     "tokens",
     "warm_up",
@@ -115,3 +116,21 @@ def tokens(
     """A batch of random token ids."""
     generator = torch.Generator().manual_seed(seed)
     return torch.randint(0, vocab, (batch, length), generator=generator).to(device)
+
+
+def profiler_peak(step: Callable[[], None]) -> int:
+    """The CPU allocator's highest total during ``step`` as torch's profiler reports it
+    (``profile_memory=True``): a reference independent of tensorscope's recording."""
+    from torch._C._profiler import _EventType
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        step()
+    peak = 0
+    todo = list(prof.profiler.kineto_results.experimental_event_tree())
+    while todo:
+        event = todo.pop()
+        if event.tag == _EventType.Allocation:
+            peak = max(peak, event.extra_fields.total_allocated)
+        todo.extend(event.children)
+    return peak

@@ -31,7 +31,7 @@ import torch
 
 import tensorscope as ts
 from tensorscope.check.context import Context
-from tensorscope.check.measure import gpt2, sync, tokens, workspace_bytes
+from tensorscope.check.measure import gpt2, profiler_peak, sync, tokens, workspace_bytes
 
 __all__ = ["run"]
 
@@ -143,7 +143,7 @@ def _on_cpu(ctx: Context, label: str, step: Callable[[Callable[[str], None]], No
         step(lambda phase: None)
     plan = rec.plan()
     existing = sum(life.nbytes for life in plan.lifetimes if life.created < 0)
-    measured = _profiler_peak(lambda: step(lambda phase: None))
+    measured = profiler_peak(lambda: step(lambda phase: None))
     ratio = (plan.peak_bytes - existing) / measured if measured else float("nan")
     ctx.note(
         f"{label}: plan",
@@ -170,23 +170,6 @@ def _phase_bytes(plan: ts.MemoryPlan, phase: str, pick: Callable[[list[int]], in
 
 def _last(values: list[int]) -> int:
     return values[-1]
-
-
-def _profiler_peak(step: Callable[[], None]) -> int:
-    """The CPU allocator's highest total during ``step`` as torch's profiler reports it."""
-    from torch._C._profiler import _EventType
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        step()
-    peak = 0
-    todo = list(prof.profiler.kineto_results.experimental_event_tree())
-    while todo:
-        event = todo.pop()
-        if event.tag == _EventType.Allocation:
-            peak = max(peak, event.extra_fields.total_allocated)
-        todo.extend(event.children)
-    return peak
 
 
 # ------------------------------------------------------------------ the allocator's history

@@ -62,6 +62,22 @@ _SUB = "tensorscope.checkpoint"
 # what the model does between the chain's forward and its backward (final norm, head, loss).
 
 
+# What a run's end may change (CheckpointedChain.mark saves it, abort puts it back).
+_MARKED = (
+    "profile",
+    "schedule",
+    "solved_limit",
+    "reserved_nbytes",
+    "context_nbytes",
+    "offloaded",
+    "_plan",
+    "_error",
+    "_retimed",
+    "_measured",
+    "_context",
+)
+
+
 class CheckpointedChain:
     """A model's block chain trained under ``mem_limit``; see :func:`checkpoint_chain`.
 
@@ -161,19 +177,7 @@ class CheckpointedChain:
     def mark(self) -> None:
         """Remember what a run's end may change -- the measurements and the schedule solved
         from them -- for :meth:`abort` to put back (``ts.fit`` marks each step's start)."""
-        self._marked = (
-            self.profile,
-            self.schedule,
-            self.solved_limit,
-            self.reserved_nbytes,
-            self.context_nbytes,
-            self.offloaded,
-            self._plan,
-            self._error,
-            self._retimed,
-            self._measured,
-            self._context,
-        )
+        self._marked = tuple(getattr(self, name) for name in _MARKED)
 
     def abort(self) -> None:
         """Forget the runs in progress (an exception left them, or their backward will never
@@ -184,19 +188,8 @@ class CheckpointedChain:
             probe.close()
         self._probes.clear()
         if self._marked is not None:
-            (
-                self.profile,
-                self.schedule,
-                self.solved_limit,
-                self.reserved_nbytes,
-                self.context_nbytes,
-                self.offloaded,
-                self._plan,
-                self._error,
-                self._retimed,
-                self._measured,
-                self._context,
-            ) = self._marked
+            for name, value in zip(_MARKED, self._marked, strict=True):
+                setattr(self, name, value)
 
     def __enter__(self) -> Self:
         return self

@@ -12,6 +12,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from tensorscope.check.measure import profiler_peak
+
 VOCAB = 128
 
 
@@ -128,16 +130,4 @@ def state_tensors(opt: torch.optim.Optimizer) -> list[torch.Tensor]:
 def allocator_peak(step: Callable[[], None]) -> int:
     """The highest bytes the CPU allocator held above what it held when ``step`` began, as
     torch's profiler (``profile_memory=True``) reports them: an independent reference."""
-    from torch._C._profiler import _EventType
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        step()
-    peak = 0
-    todo = list(prof.profiler.kineto_results.experimental_event_tree())
-    while todo:
-        event = todo.pop()
-        if event.tag == _EventType.Allocation:
-            peak = max(peak, event.extra_fields.total_allocated)
-        todo.extend(event.children)
-    return peak
+    return profiler_peak(step)
