@@ -23,6 +23,7 @@ from tensorscope.checkpoint.calls import storage_key
 from tensorscope.checkpoint.chain import Op
 from tensorscope.checkpoint.offloaded import OFFLOAD_MIN_BYTES
 from tensorscope.checkpoint.profile import LayerProfile, Meter, Profile
+from tensorscope.checkpoint.selective import SelectiveMeter
 
 __all__ = ["BlockProbe", "alike_medians", "every_block_ops", "retimed"]
 
@@ -81,23 +82,44 @@ def retimed(
     profile: Profile,
     fw_s: Mapping[int, float] | None = None,
     bw_s: Mapping[int, float] | None = None,
+    sel_share: Mapping[int, float] | None = None,
 ) -> Profile:
-    """``profile`` with the times given (by block index; others kept), then each time the
-    median of its alike blocks'.
+    """``profile`` with the times given (by block index), then each time the median of its
+    alike blocks' -- of the given ones where any of them was given: a block left out (one whose
+    run was not pure compute, such as an offloaded block's, whose forward wrote its saved
+    tensors out) takes its alike blocks' new times, not its old one. ``sel_share``: replays'
+    measured shares of their forwards (NOTE [selective recomputation]), the same way.
 
     Example:
         >>> prof = Profile(4, (LayerProfile("B", 1.0, 2.0, 4, 8, 0, 0),) * 3, "cpu")
         >>> [p.fw_s for p in retimed(prof, {0: 3.0, 1: 5.0}).layers]
-        [3.0, 3.0, 3.0]
+        [4.0, 4.0, 4.0]
     """
-    fw = [(fw_s or {}).get(k, p.fw_s) for k, p in enumerate(profile.layers)]
-    bw = [(bw_s or {}).get(k, p.bw_s) for k, p in enumerate(profile.layers)]
     keys = [alike_key(p) for p in profile.layers]
-    fw, bw = alike_medians(keys, fw), alike_medians(keys, bw)
+    fw = _given_medians(keys, [p.fw_s for p in profile.layers], fw_s or {})
+    bw = _given_medians(keys, [p.bw_s for p in profile.layers], bw_s or {})
+    share = _given_medians(keys, [p.sel_share for p in profile.layers], sel_share or {})
     layers = tuple(
-        dataclasses.replace(p, fw_s=fw[k], bw_s=bw[k]) for k, p in enumerate(profile.layers)
+        dataclasses.replace(p, fw_s=fw[k], bw_s=bw[k], sel_share=share[k])
+        for k, p in enumerate(profile.layers)
     )
     return dataclasses.replace(profile, layers=layers)
+
+
+def _given_medians(
+    keys: Sequence[Hashable], old: Sequence[float], given: Mapping[int, float]
+) -> list[float]:
+    """Each alike group's median of its ``given`` times, or of its ``old`` ones if none."""
+    groups: dict[Hashable, list[int]] = {}
+    for k, key in enumerate(keys):
+        groups.setdefault(key, []).append(k)
+    out = list(old)
+    for members in groups.values():
+        chosen = [given[k] for k in members if k in given] or [old[k] for k in members]
+        mid = statistics.median(chosen)
+        for k in members:
+            out[k] = mid
+    return out
 
 
 def every_block_ops(n: int) -> list[Op]:
@@ -126,6 +148,9 @@ class _Block:
     bw_s: float = 0.0
     offload_nbytes: int = 0
     offload_tensors: int = 0
+    sel_nbytes: int = 0
+    sel_covered: int = 0
+    sel_share: float = 1.0
 
 
 def _rng_state(device: torch.device) -> list[torch.Tensor]:
@@ -148,10 +173,11 @@ class BlockProbe:
         >>> probe.close()
     """
 
-    def __init__(self, n: int, device: torch.device) -> None:
+    def __init__(self, n: int, device: torch.device, *, selective: bool = False) -> None:
         self.device = device
         self.meter = Meter(device)
         self.blocks = [_Block() for _ in range(n)]
+        self.selective = selective  # measure what Fs would keep (NOTE [selective recomputation])
 
     def _now(self) -> float:
         if self.meter.cuda:
@@ -174,18 +200,23 @@ class BlockProbe:
         def pack(t: torch.Tensor) -> torch.Tensor:
             key = storage_key(t)
             saved.add(key)
+            if sel is not None:
+                sel.saved(t)
             nbytes = int(t.untyped_storage().nbytes())
             if nbytes >= OFFLOAD_MIN_BYTES and not is_parameter_like(t):
                 movable[key] = nbytes
             return t
 
+        sync = (lambda: torch.cuda.synchronize(self.device)) if self.meter.cuda else None
+        sel = SelectiveMeter(sync) if kind == "Fe" and self.selective else None
         hooks = (
             torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t)
             if kind == "Fe"
             else nullcontext()
         )
         rng_before = _rng_state(self.device) if kind != "Fe" else []
-        with self.meter.tracking():
+        # sel below the tracker's mode (entered first): it times the ops, not the tracking
+        with sel if sel is not None else nullcontext(), self.meter.tracking():
             base = self.meter.mark()
             serial = self.meter.serial()
             start = self._now()
@@ -204,6 +235,10 @@ class BlockProbe:
             rec.fw_s = elapsed
             rec.offload_nbytes = min(sum(made), max(0, rec.xbar_nbytes - rec.x_nbytes))
             rec.offload_tensors = len(made)
+            if sel is not None:
+                rec.sel_nbytes = sel.kept_nbytes - sel.forget(live[1])
+                rec.sel_covered = sel.covered_nbytes
+                rec.sel_share = sel.replay_share
         else:
             rec.x_nbytes = live[0]
             rec.uses_rng = not all(map(torch.equal, rng_before, _rng_state(self.device)))
@@ -244,6 +279,9 @@ class BlockProbe:
                 b.keeps_output,
                 b.offload_nbytes,
                 b.offload_tensors,
+                b.sel_nbytes,
+                b.sel_covered,
+                b.sel_share,
             )
             for name, b in zip(names, self.blocks, strict=True)
         )

@@ -27,6 +27,7 @@ from tensorscope.checkpoint.executor import (
     _root,
     rerun_guard,
 )
+from tensorscope.checkpoint.selective import Diverged, Keep, Replay
 from tensorscope.errors import InvalidArgumentError
 
 __all__ = ["BlockFunction", "BlockPlan", "BlockRun", "Placer", "Probe"]
@@ -147,7 +148,10 @@ class BlockPlan:
             raise ValueError(f"{_PREFIX} a schedule must run blocks 0..{n - 1} before the loss")
         self.first = first
         self.backward_ops = list(self.ops[split + 1 :])
-        self.rerun = {k for k, r in forward_runs(self.ops).items() if r > 1}
+        # NOTE [selective recomputation]: a block run by Fs runs again (its replay) as a
+        # recomputed one does: its random state saved, BatchNorm statistics left alone
+        self.selective = frozenset(op[1] for op in self.ops if op[0] == "Fs")  # type: ignore[misc]
+        self.rerun = {k for k, r in forward_runs(self.ops).items() if r > 1} | self.selective
         self.offload = frozenset(offload) - self.rerun
         self.replay_rng = self.rerun.intersection(rng_blocks)
         self.batchnorms = [
@@ -158,11 +162,13 @@ class BlockPlan:
 
 @dataclass
 class _Graph:
-    """Autograd state of one Fe(k): its leaves and the roots B(k) differentiates."""
+    """Autograd state of one Fe(k): its leaves and the roots B(k) differentiates; of an Fs(k),
+    its input and the kept results (``kept``) B(k) replays it with."""
 
     inp: torch.Tensor
     ctx: list[torch.Tensor]
     roots: list[_Root]
+    kept: list[tuple[tuple[Any, ...], Any]] | None = None
 
 
 class BlockRun:
@@ -186,6 +192,7 @@ class BlockRun:
         self.input_nbytes = 0
         self.fe_s: dict[int, float] = {}  # seconds of each block's Fe, and of its B
         self.b_s: dict[int, float] = {}
+        self.replay_s: dict[int, float] = {}  # seconds of each Fs(k)'s replay in B(k)
         self.plain: dict[int, torch.Tensor] = {}  # x_k from Fn/Fck, and the input x_0
         self.outs: dict[int, torch.Tensor] = {}  # x_k as the output of Fe(k-1)
         self.graph: dict[int, _Graph] = {}  # k+1 -> Fe(k)'s autograd state
@@ -274,19 +281,20 @@ class BlockRun:
     def _forward_op(self, kind: str, k: int, in_forward: bool) -> BlockOutput:
         src, call, fn = self._input(k), self.calls[k], self.plan.forwards[k]
         with self._rerun_guard(k), self._window(kind, k) as seen:
-            if kind == "Fe":
-                inp = src.detach()
-                inp.requires_grad_(k > 0 or self.x_requires_grad)
-                ctx = [t.detach().requires_grad_(True) for t in call.grad_tensors]
-                args, kwargs = call.build(inp, ctx)
+            if kind in ("Fe", "Fs"):
                 offloading = self._offloading(k, src) if in_forward else contextlib.nullcontext()
                 start = self._now()
-                with torch.enable_grad(), offloading:
-                    out = split_output(k, self.plan.names[k], fn(*args, **kwargs))
+                if kind == "Fe":
+                    with offloading:
+                        out, self.graph[k + 1] = self._with_grad(k, src)
+                else:  # NOTE [selective recomputation]
+                    keep = Keep()
+                    args, kwargs = call.build(src)
+                    with torch.no_grad(), keep:
+                        out = split_output(k, self.plan.names[k], fn(*args, **kwargs))
+                    self.graph[k + 1] = _Graph(src, [], [], keep.results)
                 self.fe_s[k] = self._now() - start
                 seen(out.hidden)
-                roots = [_root(out.hidden), *(_root(e) for e in out.extras)]
-                self.graph[k + 1] = _Graph(inp, ctx, roots)
                 last = k + 1 == self.n
                 if not (self.loss_done if last else k + 1 in self.backward_done):
                     self.outs[k + 1] = out.hidden  # someone will read x_{k+1}
@@ -320,6 +328,33 @@ class BlockRun:
             self._drop_x(self.n)  # the loss consumes it
             self.loss_done = True
         return tuple(t.detach() for t in (out.hidden, *out.extras))
+
+    def _with_grad(self, k: int, src: torch.Tensor) -> tuple[BlockOutput, _Graph]:
+        """Block ``k`` on ``src`` with autograd, from leaves of its own: what B(k) needs."""
+        inp = src.detach()
+        inp.requires_grad_(k > 0 or self.x_requires_grad)
+        ctx = [t.detach().requires_grad_(True) for t in self.calls[k].grad_tensors]
+        args, kwargs = self.calls[k].build(inp, ctx)
+        with torch.enable_grad():
+            out = split_output(k, self.plan.names[k], self.plan.forwards[k](*args, **kwargs))
+        roots = [_root(out.hidden), *(_root(e) for e in out.extras)]
+        return out, _Graph(inp, ctx, roots)
+
+    def _replay(self, k: int, kept: _Graph) -> _Graph:
+        """NOTE [selective recomputation]: Fs(k)'s forward again with autograd, its kept
+        results standing in for the expensive ops; a forward that took another path is
+        recomputed whole instead (its random state replayed again)."""
+        results = kept.kept or []
+        with _autocast(self.device.type, self.autocast):
+            try:
+                with self._rerun_guard(k), Replay(results) as replay:
+                    _, graph = self._with_grad(k, kept.inp)
+                    replay.finish()
+                return graph
+            except Diverged:
+                results.clear()
+        with _autocast(self.device.type, self.autocast), self._rerun_guard(k):
+            return self._with_grad(k, kept.inp)[1]
 
     def backward_block(
         self, k: int, grads: Sequence[torch.Tensor | None]
@@ -360,6 +395,10 @@ class BlockRun:
         self, k: int, grads: Sequence[torch.Tensor | None]
     ) -> tuple[torch.Tensor | None, list[torch.Tensor | None], list[torch.Tensor | None]]:
         g = self.graph.pop(k + 1)
+        if g.kept is not None:
+            start = self._now()
+            g = self._replay(k, g)
+            self.replay_s[k] = self._now() - start
         params = self.params[k]
         grad_input = g.inp.requires_grad
         targets = ([g.inp] if grad_input else []) + g.ctx + params

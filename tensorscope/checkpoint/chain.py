@@ -15,11 +15,12 @@ from tensorscope.errors import ArgumentTypeError, InvalidArgumentError
 
 __all__ = ["Chain", "Op", "Schedule", "format_ops", "forward_runs"]
 
-#: One step of a schedule: ``("Fn", k)``, ``("Fck", k)``, ``("Fe", k)``, ``("B", k)`` or
-#: ``("Loss",)``. See docs/api.md §5 and ``docs/checkpoint.md`` for what each one does to memory.
+#: One step of a schedule: ``("Fn", k)``, ``("Fck", k)``, ``("Fe", k)``, ``("Fs", k)``,
+#: ``("B", k)`` or ``("Loss",)``. See docs/api.md §5 and ``docs/checkpoint.md`` for what each one
+#: does to memory; ``Fs`` is NOTE [selective recomputation] (simulate.py).
 Op: TypeAlias = tuple[str, int] | tuple[str]
 
-FORWARD_KINDS = ("Fn", "Fck", "Fe")
+FORWARD_KINDS = ("Fn", "Fck", "Fe", "Fs")
 
 _PREFIX = "tensorscope.checkpoint:"
 
@@ -99,6 +100,14 @@ class Chain:
             it does not, the output part of ``xbar[k + 1]`` is freed once the next layer's
             backward (or the loss) no longer needs it, not at ``B(k)``. Default: all ``True``,
             rotor's (conservative) model.
+        xsel_sizes: keyword-only, ``L + 1`` entries like ``xbar_sizes``: what stays allocated
+            after ``Fs(k)`` (NOTE [selective recomputation], simulate.py): the output plus the
+            results of the expensive ops kept for the replay. Where it is not below
+            ``xbar_sizes[k + 1]`` layer ``k`` has no ``Fs``. Default: ``xbar_sizes`` (none).
+        sel_bw: keyword-only, ``L`` times: what ``B(k)`` after ``Fs(k)`` adds to ``bw[k]`` (the
+            replay of the cheap ops). Default: zeros.
+        sel_bw_tmp: keyword-only, ``L`` sizes: ``B(k)``'s transient after ``Fs(k)`` (its replay's
+            saved tensors and output, and ``bw_tmp[k]``). Default: ``bw_tmp``.
 
     Example:
         >>> chain = Chain([1, 1], [2, 2], [4, 4, 4], [0, 8, 8], [0, 0], [0, 0])
@@ -114,6 +123,9 @@ class Chain:
     bw_tmp: tuple[int, ...]
     loss_tmp: int
     keeps_output: tuple[bool, ...]
+    xsel_sizes: tuple[int, ...]
+    sel_bw: tuple[float, ...]
+    sel_bw_tmp: tuple[int, ...]
 
     def __init__(
         self,
@@ -126,6 +138,9 @@ class Chain:
         loss_tmp: int = 0,
         *,
         keeps_output: Sequence[bool] | None = None,
+        xsel_sizes: Sequence[int] | None = None,
+        sel_bw: Sequence[float] | None = None,
+        sel_bw_tmp: Sequence[int] | None = None,
     ) -> None:
         if isinstance(fw, (str, bytes)) or not isinstance(fw, Sequence):
             raise ArgumentTypeError(f"{_PREFIX} Chain.fw must be a sequence of numbers")
@@ -155,11 +170,33 @@ class Chain:
                     f"x_sizes[{k}] = {self.x_sizes[k]}; xbar counts the output plus what layer "
                     f"{k - 1} saves for backward, so it is at least the output size"
                 )
+        xsel = xbar if xsel_sizes is None else xsel_sizes
+        xsel = _sizes("xsel_sizes", xsel, n + 1, "unused slot 0, then one per layer")
+        for k in range(1, n + 1):
+            if xsel[k] < self.x_sizes[k]:
+                raise InvalidArgumentError(
+                    f"{_PREFIX} Chain.xsel_sizes[{k}] = {xsel[k]} is smaller than "
+                    f"x_sizes[{k}] = {self.x_sizes[k]}; it counts the output too"
+                )
+        set_(self, "xsel_sizes", tuple(min(a, b) for a, b in zip(xsel, xbar, strict=True)))
+        set_(self, "sel_bw", _times("sel_bw", [0.0] * n if sel_bw is None else sel_bw, n))
+        tmp = self.bw_tmp if sel_bw_tmp is None else sel_bw_tmp
+        set_(self, "sel_bw_tmp", _sizes("sel_bw_tmp", tmp, n, "one per layer"))
 
     @property
     def length(self) -> int:
         """Number of layers ``L``."""
         return len(self.fw)
+
+    def selective(self, k: int) -> bool:
+        """Whether layer ``k`` has ``Fs``: it keeps less than ``Fe`` does.
+
+        Example:
+            >>> c = Chain([1], [1], [2, 2], [0, 9], [0], [0], xsel_sizes=[0, 5])
+            >>> c.selective(0), Chain([1], [1], [2, 2], [0, 9], [0], [0]).selective(0)
+            (True, False)
+        """
+        return self.xsel_sizes[k + 1] < self.xbar_sizes[k + 1]
 
     def scaled(self, slots: int, mem_limit: int, *, up: bool = True) -> Chain:
         """Sizes in units of ``mem_limit / slots``, rounded up (or to nearest); same times.
@@ -188,6 +225,9 @@ class Chain:
             unit(self.bw_tmp),
             unit((self.loss_tmp,))[0],
             keeps_output=self.keeps_output,
+            xsel_sizes=unit(self.xsel_sizes),
+            sel_bw=self.sel_bw,
+            sel_bw_tmp=unit(self.sel_bw_tmp),
         )
 
 
@@ -200,7 +240,7 @@ class Schedule:
         peak: exact peak memory of the schedule on the chain's real sizes (same unit as the
             chain's sizes; bytes for measured models).
         ops: the operations, in order, in the API vocabulary: ``("Fn", k)``, ``("Fck", k)``,
-            ``("Fe", k)``, ``("Loss",)``, ``("B", k)``.
+            ``("Fe", k)``, ``("Fs", k)``, ``("Loss",)``, ``("B", k)``.
         mem_limit: the limit the schedule was solved for.
 
     Example:

@@ -35,6 +35,7 @@ _ROLE = {
     "Fe": "kept with autograd",
     "Fck": "input checkpointed",
     "Fn": "input dropped",
+    "Fs": "kept selectively (matmuls and random draws; the rest replayed in backward)",
 }
 
 

@@ -78,9 +78,9 @@ def offloaded_chain(chain: Chain, model: OffloadModel, blocks: Collection[int]) 
         >>> offloaded_chain(chain, model, {0, 2}).xbar_sizes
         (0, 20, 50, 20)
     """
-    xbar = list(chain.xbar_sizes)
+    xbar, xsel = list(chain.xbar_sizes), list(chain.xsel_sizes)
     for k in blocks:
-        xbar[k + 1] = max(chain.x_sizes[k + 1], xbar[k + 1] - model.nbytes[k])
+        xbar[k + 1] = xsel[k + 1] = max(chain.x_sizes[k + 1], xbar[k + 1] - model.nbytes[k])
     return Chain(
         chain.fw,
         chain.bw,
@@ -90,6 +90,9 @@ def offloaded_chain(chain: Chain, model: OffloadModel, blocks: Collection[int]) 
         chain.bw_tmp,
         chain.loss_tmp,
         keeps_output=chain.keeps_output,
+        xsel_sizes=xsel,  # an offloaded block runs Fe (its saved tensors are what moves)
+        sel_bw=chain.sel_bw,
+        sel_bw_tmp=chain.sel_bw_tmp,
     )
 
 

@@ -73,6 +73,11 @@ class LayerProfile:
     keeps_output: bool = True
     offload_nbytes: int = 0
     offload_tensors: int = 0
+    sel_nbytes: int = (
+        0  # NOTE [selective recomputation]: what Fs keeps beyond the output (0: no Fs)
+    )
+    sel_covered: int = 0  # of it, what the replay's autograd saves (not made again)
+    sel_share: float = 1.0  # the replay's time as a share of the forward's
 
 
 @dataclass(frozen=True)
@@ -102,6 +107,12 @@ class Profile:
             [p.bw_tmp_nbytes for p in ls],
             loss_tmp,
             keeps_output=[p.keeps_output for p in ls],
+            # NOTE [selective recomputation] (simulate.py): Fs keeps the output and sel_nbytes;
+            # B after it makes what autograd saves beyond sel_covered, and the output again
+            xsel_sizes=[0]
+            + [p.x_nbytes + p.sel_nbytes if p.sel_nbytes else p.xbar_nbytes for p in ls],
+            sel_bw=[p.fw_s * p.sel_share for p in ls],
+            sel_bw_tmp=[p.bw_tmp_nbytes + max(0, p.xbar_nbytes - p.sel_covered) for p in ls],
         )
 
 

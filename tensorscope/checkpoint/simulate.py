@@ -38,6 +38,16 @@ __all__ = ["Simulation", "Simulator", "simulate"]
 # saves its result, Linear does not); then it goes at B(k-1) with the rest of xbar[k]. An
 # output nobody will read (Fe(k-1) after B(k) or the loss ran) is freed as soon as it is made.
 # With keeps_output all True this is rotor's model: xbar[k+1] lives from Fe(k) to B(k).
+# NOTE [selective recomputation]
+#   Fs(k)   runs layer k without autograd, keeping its output x_{k+1} and the results of its
+#           expensive ops (matrix products, random draws) -- ("sel", k+1), xsel[k+1] in all --,
+#           + fw_tmp[k]; keeps its input. B(k) after it first replays the forward with
+#           autograd, the kept results standing in for those ops, so only the cheap ops run
+#           again (+ sel_bw[k] seconds): its transient is sel_bw_tmp[k] (the replay's saved
+#           tensors and output, and bw_tmp[k]) on top of what is alive. No autograd state holds
+#           Fs(k)'s output, so it is freed with x_{k+1} as when layer k does not keep its output.
+#           Chosen per layer by the DP where it pays: torch's selective activation checkpointing
+#           with the policy "keep matmuls and random draws", priced by rotor's table.
 # The chain input x[0] is alive throughout (mem_limit includes it). Time is the sum of fw[k]
 # over forward ops plus bw[k] over B ops. Validity rules: an op needs its inputs alive; a value
 # is never computed while it is already available (no duplicate x_k); no forward of layer k
@@ -89,6 +99,7 @@ class Simulator:
         self.peak = chain.x_sizes[0]
         self.loss_done = False
         self.backward_done: set[int] = set()
+        self.selected: set[int] = set()  # layers whose latest forward with state was Fs
         self._index = 0
 
     def available(self, k: int) -> bool:
@@ -121,7 +132,7 @@ class Simulator:
     def _drop_x(self, k: int) -> None:
         """x_k is no longer needed: free it unless autograd state holds it (see the NOTE)."""
         self._drop(("x", k))
-        if k > 0 and not self.chain.keeps_output[k - 1]:
+        if k > 0 and (not self.chain.keeps_output[k - 1] or k - 1 in self.selected):
             self._drop(("out", k))
 
     def check(self, op: Op) -> int:
@@ -139,8 +150,10 @@ class Simulator:
             if not self.available(n):
                 raise self._fail(op, f"needs the chain output x_{n}, which is not alive")
             return self.alive_nbytes + c.x_sizes[n] + c.loss_tmp
-        if kind not in ("Fn", "Fck", "Fe", "B") or len(op) != 2:
-            raise self._fail(op, "is not one of ('Fn', k) ('Fck', k) ('Fe', k) ('Loss',) ('B', k)")
+        if kind not in ("Fn", "Fck", "Fe", "Fs", "B") or len(op) != 2:
+            raise self._fail(
+                op, "is not one of ('Fn', k) ('Fck', k) ('Fe', k) ('Fs', k) ('Loss',) ('B', k)"
+            )
         k = op[1]
         if isinstance(k, bool) or not isinstance(k, int) or not 0 <= k < n:
             raise self._fail(op, f"names layer {k!r}; layers are 0..{n - 1}")
@@ -149,9 +162,10 @@ class Simulator:
         if kind == "B":
             if ("d", k + 1) not in self.alive:
                 raise self._fail(op, f"needs the gradient d_{k + 1}, which is not alive")
-            if ("saved", k + 1) not in self.alive:
+            if ("saved", k + 1) not in self.alive and ("sel", k + 1) not in self.alive:
                 raise self._fail(op, f"needs the autograd state of layer {k} (run Fe({k}) first)")
-            return self.alive_nbytes + c.x_sizes[k] + c.bw_tmp[k]
+            tmp = c.sel_bw_tmp[k] if ("sel", k + 1) in self.alive else c.bw_tmp[k]
+            return self.alive_nbytes + c.x_sizes[k] + tmp
         if k in self.backward_done:
             raise self._fail(op, f"recomputes layer {k} after its backward")
         if self.available(k + 1):
@@ -160,7 +174,12 @@ class Simulator:
             raise self._fail(op, "would drop the chain input, which the caller owns; use Fck")
         if kind == "Fn" and k in self.checkpoints:
             raise self._fail(op, f"drops checkpoint x_{k} before B({k}) (not persistent)")
-        created = c.xbar_sizes[k + 1] if kind == "Fe" else c.x_sizes[k + 1]
+        if ("saved", k + 1) in self.alive or ("sel", k + 1) in self.alive:
+            raise self._fail(op, f"runs layer {k} again while its autograd state is alive")
+        if kind == "Fs" and not c.selective(k):
+            raise self._fail(op, f"but layer {k} keeps no less with Fs than with Fe")
+        sizes = {"Fe": c.xbar_sizes, "Fs": c.xsel_sizes}.get(kind, c.x_sizes)
+        created = sizes[k + 1]
         return self.alive_nbytes + created + c.fw_tmp[k]
 
     def step(self, op: Op) -> int:
@@ -179,9 +198,10 @@ class Simulator:
         else:
             kind, k = op  # type: ignore[misc]
             if kind == "B":
-                self.time += c.bw[k]
+                self.time += c.bw[k] + (c.sel_bw[k] if ("sel", k + 1) in self.alive else 0.0)
                 self._add(("d", k), c.x_sizes[k])
                 self._drop(("saved", k + 1))
+                self._drop(("sel", k + 1))
                 self._drop(("out", k + 1))
                 if k + 1 < c.length:
                     self._drop(("d", k + 1))
@@ -191,9 +211,14 @@ class Simulator:
                 self.checkpoints.discard(k)
             else:
                 self.time += c.fw[k]
-                if kind == "Fe":
+                if kind in ("Fe", "Fs"):
                     out = c.x_sizes[k + 1]
-                    self._add(("saved", k + 1), c.xbar_sizes[k + 1] - out)
+                    if kind == "Fe":
+                        self.selected.discard(k)
+                        self._add(("saved", k + 1), c.xbar_sizes[k + 1] - out)
+                    else:
+                        self.selected.add(k)
+                        self._add(("sel", k + 1), c.xsel_sizes[k + 1] - out)
                     self._add(("out", k + 1), out)
                     done = self.loss_done if k + 1 == c.length else k + 1 in self.backward_done
                     if done:

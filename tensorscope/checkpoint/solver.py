@@ -16,6 +16,7 @@ from tensorscope.errors import ArgumentTypeError, InvalidArgumentError, Schedule
 __all__ = ["MAX_TABLE_WORK", "min_memory", "solve", "store_all_memory", "store_all_ops"]
 
 INF = math.inf
+INF_SIZE = 1 << 62  # a need no memory meets (integer: the table indexes by it)
 
 #: Refuse an exact solve whose table work (cells x options) exceeds this; pass ``slots=``.
 MAX_TABLE_WORK = 150_000_000
@@ -36,6 +37,9 @@ MAX_TABLE_WORK = 150_000_000
 # Sub-problems with l < L - 1 run after the loss and leave it outside their m; those with
 # l >= L - 1 hold it once B(L-1) (or the loss) ran: their B(i), i < L - 1, counts it, and their
 # left child (i, j-1) gets m - x_L unless d[L] is that child's own incoming gradient (j = L).
+# A layer with Fs (NOTE [selective recomputation], simulate.py) has a second first choice,
+#   Fs(i), (i+1, l), B(i): the same with xsel for xbar, its output freed as by a layer that
+#       keeps none, sel_bw_tmp for bw_tmp and sel_bw more time; at (i, i) it is Fs(i) B(i).
 # Every term is the simulator's (simulate.py), not a re-derivation: each schedule the table
 # describes simulates to the same time and to a peak <= m (rotor's own Fe(i) test is known to
 # use the wrong gradient size and can exceed its budget). Tests brute-force all valid
@@ -77,6 +81,13 @@ class _Terms:
             2 * x[i] + xb[i + 1] + (x[i + 1] if c.keeps_output[i] else 0) + c.bw_tmp[i]
             for i in range(n)
         ]
+        # The same for Fs(i), where layer i has it (None where not).
+        xs = c.xsel_sizes
+        self.sel = [c.selective(i) for i in range(n)]
+        self.shift_s = [x[i] + xs[i + 1] - x[i + 1] for i in range(n)]
+        self.fe_need_s = [x[i] + xs[i + 1] + c.fw_tmp[i] for i in range(n)]
+        self.b_need_s = [2 * x[i] + xs[i + 1] + c.sel_bw_tmp[i] for i in range(n)]
+        self.fwbw_s = [c.fw[k] + c.bw[k] + c.sel_bw[k] for k in range(n)]
         self.loss_need = 2 * x[n] + c.loss_tmp
         # The output gradient d[L] stays alive from the loss to the end (simulate.py).
         self.kept = x[n]
@@ -97,6 +108,13 @@ class _Terms:
         late = l_ >= self.n - 1 and i < self.n - 1  # B(i) runs after B(L-1), d[L] still held
         return max(self.fe_need[i] + self.grad_in(l_), self.b_need[i] + late * self.kept)
 
+    def own_need_s(self, i: int, l_: int) -> int:
+        """``own_need`` with Fs(i) for Fe(i) (infinite where layer i has no Fs)."""
+        if not self.sel[i]:
+            return INF_SIZE
+        late = l_ >= self.n - 1 and i < self.n - 1
+        return max(self.fe_need_s[i] + self.grad_in(l_), self.b_need_s[i] + late * self.kept)
+
     def left_shift(self, l_: int, j: int) -> int:
         """What the left child (i, j-1) of (i, l) must leave to d[L]: all of it if d[L] is
         alive when it starts (l >= L-1) but not its own incoming gradient (j-1 < L-1)."""
@@ -110,12 +128,15 @@ class _Terms:
         lo[n][n] = hi[n][n] = self.loss_need
         for i in range(n - 1, -1, -1):
             for l_ in range(i, n + 1):
-                own = self.own_need(i, l_)
+                own, own_s = self.own_need(i, l_), self.own_need_s(i, l_)
                 if l_ == i:
-                    lo[i][l_] = hi[i][l_] = own
+                    hi[i][l_] = own
+                    lo[i][l_] = min(own, own_s)
                     continue
                 hi[i][l_] = max(own, hi[i + 1][l_] + self.shift[i])
                 best = max(own, lo[i + 1][l_] + self.shift[i])
+                if self.sel[i]:
+                    best = min(best, max(own_s, lo[i + 1][l_] + self.shift_s[i]))
                 g = self.grad_in(l_)
                 for j in range(i + 1, l_ + 1):
                     left = lo[i][j - 1] + self.left_shift(l_, j)
@@ -162,6 +183,10 @@ class _Table:
 
     def fill(self) -> None:
         t, n = self.t, self.t.n
+        for i in range(n):  # (i, i) below Fe(i)'s need: Fs(i) B(i) where layer i has it
+            a, b = self.lo[i][i], min(self.hi[i][i], self.limit + 1)
+            if b > a:
+                self.band[i][i] = [t.fwbw_s[i]] * (b - a)
         for span in range(1, n + 1):
             for i in range(0, n + 1 - span):
                 l_ = i + span
@@ -169,11 +194,14 @@ class _Table:
                 if b <= a:
                     continue
                 cands: list[list[float]] = []
-                start = max(a, t.own_need(i, l_))
-                if start < b:
-                    s = t.shift[i]
-                    child = self.window(i + 1, l_, start - s, b - s)
-                    cands.append([INF] * (start - a) + list(map(t.fwbw[i].__add__, child)))
+                firsts = [(t.own_need(i, l_), t.shift[i], t.fwbw[i])]
+                if t.sel[i]:
+                    firsts.append((t.own_need_s(i, l_), t.shift_s[i], t.fwbw_s[i]))
+                for own, s, cost in firsts:
+                    start = max(a, own)
+                    if start < b:
+                        child = self.window(i + 1, l_, start - s, b - s)
+                        cands.append([INF] * (start - a) + list(map(cost.__add__, child)))
                 base = t.x[i] + t.grad_in(l_)
                 for j in range(i + 1, l_ + 1):
                     ls = t.left_shift(l_, j)
@@ -191,11 +219,14 @@ class _Table:
                     self.band[i][l_] = list(map(min, *cands))
 
     def choices(self, i: int, l_: int, m: int) -> list[tuple[float, int]]:
-        """(time, j) for each feasible choice at (m, i, l); j == i means Fe(i)."""
+        """(time, j) for each feasible choice at (m, i, l); j == i means Fe(i), j == -1 Fs(i)
+        (listed after Fe(i): a tie keeps the plain forward)."""
         t = self.t
         out: list[tuple[float, int]] = []
         if m >= t.own_need(i, l_):
             out.append((t.fwbw[i] + self.value(i + 1, l_, m - t.shift[i]), i))
+        if m >= t.own_need_s(i, l_):
+            out.append((t.fwbw_s[i] + self.value(i + 1, l_, m - t.shift_s[i]), -1))
         base = t.x[i] + t.grad_in(l_)
         for j in range(i + 1, l_ + 1):
             if m < base + t.sweep[i][j]:
@@ -218,13 +249,18 @@ class _Table:
             i, l_, mem = task
             if i == n:
                 out.append(("Loss",))
-            elif i == l_ or mem >= self.hi[i][l_]:
+            elif mem >= self.hi[i][l_]:
                 out.extend(store_all_ops(i, l_, n))
+            elif i == l_:
+                out += [("Fs", i), ("B", i)]
             else:
-                _, j = min(self.choices(i, l_, mem))
+                _, j = min(self.choices(i, l_, mem), key=lambda c: c[0])
                 if j == i:
                     stack += [("B", i), (i + 1, l_, mem - t.shift[i])]
                     out.append(("Fe", i))
+                elif j == -1:
+                    stack += [("B", i), (i + 1, l_, mem - t.shift_s[i])]
+                    out.append(("Fs", i))
                 else:
                     stack += [(i, j - 1, mem - t.left_shift(l_, j)), (j, l_, mem - t.x[i])]
                     out.append(("Fck", i))
@@ -286,18 +322,23 @@ def _min_memory_ops(chain: Chain) -> list[Op]:
             out.append(("Loss",))
             continue
         if i == l_:
-            out.extend(store_all_ops(i, l_, n))
+            fits = t.own_need(i, l_) <= t.own_need_s(i, l_)
+            out.extend(store_all_ops(i, l_, n) if fits else [("Fs", i), ("B", i)])
             continue
         g = t.grad_in(l_)
         best, best_j = max(t.own_need(i, l_), lo[i + 1][l_] + t.shift[i]), i
+        if t.sel[i]:
+            need = max(t.own_need_s(i, l_), lo[i + 1][l_] + t.shift_s[i])
+            if need < best:
+                best, best_j = need, -1
         for j in range(i + 1, l_ + 1):
             left = lo[i][j - 1] + t.left_shift(l_, j)
             need = max(x[i] + g + t.sweep[i][j], lo[j][l_] + x[i], left)
             if need < best:
                 best, best_j = need, j
-        if best_j == i:
+        if best_j in (i, -1):
             stack += [("B", i), (i + 1, l_)]
-            out.append(("Fe", i))
+            out.append(("Fe", i) if best_j == i else ("Fs", i))
         else:
             stack += [(i, best_j - 1), (best_j, l_)]
             out.append(("Fck", i))

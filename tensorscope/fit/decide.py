@@ -29,7 +29,7 @@ from tensorscope.fit.account import StepBase
 
 __all__ = ["BlockChoice", "Candidate", "Decision", "block_choices", "decide"]
 
-BlockChoice = Literal["keep", "recompute", "offload"]
+BlockChoice = Literal["keep", "recompute", "offload", "selective"]
 
 _SUB = "tensorscope.fit"
 
@@ -94,7 +94,9 @@ class Decision:
         budget_bytes: the budget decided for.
         chosen: the candidate chosen.
         candidates: every candidate considered, in order.
-        blocks: per block ``"keep"`` (its activations stay), ``"recompute"`` or ``"offload"``.
+        blocks: per block ``"keep"`` (its activations stay), ``"recompute"``, ``"offload"`` or
+            ``"selective"`` (its matmuls' and random draws' results stay, the rest is replayed
+            in backward: NOTE [selective recomputation], checkpoint/simulate.py).
         reserved_nbytes: bytes of the chain's limit set aside (shared context, random states).
     """
 
@@ -122,7 +124,8 @@ def block_choices(
     schedule: Schedule | None, n: int, offloaded: Collection[int] = ()
 ) -> tuple[BlockChoice, ...]:
     """Per block: ``"recompute"`` when the schedule runs its forward more than once, else
-    ``"offload"`` for the blocks in ``offloaded``, else ``"keep"``.
+    ``"selective"`` when it runs it as ``Fs``, ``"offload"`` for the blocks in ``offloaded``,
+    else ``"keep"``.
 
     Example:
         >>> from tensorscope.checkpoint.chain import Schedule
@@ -136,8 +139,11 @@ def block_choices(
     runs = forward_runs(schedule.ops)
     recompute: BlockChoice = "recompute"
     offload: BlockChoice = "offload"
+    selective: BlockChoice = "selective"
+    sel = {op[1] for op in schedule.ops if op[0] == "Fs"}  # type: ignore[misc]
     return tuple(
-        recompute if runs[k] > 1 else offload if k in offloaded else keep for k in range(n)
+        recompute if runs[k] > 1 else selective if k in sel else offload if k in offloaded else keep
+        for k in range(n)
     )
 
 

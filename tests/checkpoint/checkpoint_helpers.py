@@ -24,14 +24,14 @@ from tensorscope.errors import InvalidArgumentError
 def all_ops(n: int) -> list[Op]:
     ops: list[Op] = [("Loss",)]
     for k in range(n):
-        ops += [("Fn", k), ("Fck", k), ("Fe", k), ("B", k)]
+        ops += [("Fn", k), ("Fck", k), ("Fe", k), ("Fs", k), ("B", k)]
     return ops
 
 
 def _search(
-    chain: Chain, initial: float, cost: Callable[[float, int, Op], float], persistent: bool
+    chain: Chain, initial: float, cost: Callable[[float, int, float], float], persistent: bool
 ) -> float:
-    """Least accumulated cost of a complete schedule; ``cost(acc, op_peak, op)``."""
+    """Least accumulated cost of a complete schedule; ``cost(acc, op_peak, op_seconds)``."""
     ops = all_ops(chain.length)
     tie = itertools.count()
     heap: list[tuple[float, int, Simulator]] = [
@@ -51,14 +51,15 @@ def _search(
                 peak = sim.check(op)
             except InvalidArgumentError:
                 continue
-            new = cost(acc, peak, op)
-            if math.isinf(new):
-                continue
             nxt = copy.copy(sim)
             nxt.alive = dict(sim.alive)
             nxt.backward_done = set(sim.backward_done)
             nxt.checkpoints = set(sim.checkpoints)
+            nxt.selected = set(sim.selected)
             nxt.step(op)
+            new = cost(acc, peak, nxt.time - sim.time)
+            if math.isinf(new):
+                continue
             if nxt.state() not in done:
                 heapq.heappush(heap, (new, next(tie), nxt))
     return math.inf
@@ -67,13 +68,8 @@ def _search(
 def best_time(chain: Chain, limit: int, *, persistent: bool = True) -> float:
     """Least time of any valid schedule whose every op fits ``limit`` (inf if none)."""
 
-    def cost(acc: float, peak: int, op: Op) -> float:
-        if peak > limit:
-            return math.inf
-        if op[0] == "Loss":
-            return acc
-        times = chain.bw if op[0] == "B" else chain.fw
-        return acc + times[op[1]]  # type: ignore[misc]
+    def cost(acc: float, peak: int, seconds: float) -> float:
+        return math.inf if peak > limit else acc + seconds
 
     if chain.x_sizes[0] > limit:
         return math.inf
@@ -95,13 +91,22 @@ def chains(draw: st.DrawFn, max_layers: int = 4, max_size: int = 6) -> Chain:
     small = st.integers(0, 3)
     x = draw(st.lists(size, min_size=n + 1, max_size=n + 1))
     extra = draw(st.lists(size, min_size=n, max_size=n))
+    sel = draw(st.lists(size, min_size=n, max_size=n))  # of extra: what Fs keeps
+    more = draw(st.lists(small, min_size=n, max_size=n))
+    bw_tmp = draw(st.lists(small, min_size=n, max_size=n))
     return Chain(
         draw(st.lists(st.integers(0, 5), min_size=n, max_size=n)),
         draw(st.lists(st.integers(0, 5), min_size=n, max_size=n)),
         x,
         [0] + [x[k + 1] + extra[k] for k in range(n)],
         draw(st.lists(small, min_size=n, max_size=n)),
-        draw(st.lists(small, min_size=n, max_size=n)),
+        bw_tmp,
         draw(small),
         keeps_output=draw(st.lists(st.booleans(), min_size=n, max_size=n)),
+        xsel_sizes=[0] + [x[k + 1] + min(sel[k], extra[k]) for k in range(n)],
+        sel_bw=draw(st.lists(st.integers(0, 3), min_size=n, max_size=n)),
+        # the replay saves what Fs did not keep, and makes its output again
+        sel_bw_tmp=[
+            bw_tmp[k] + extra[k] - min(sel[k], extra[k]) + x[k + 1] + more[k] for k in range(n)
+        ],
     )

@@ -138,6 +138,9 @@ class CompiledRun(Part):
         if self.chain is not None:
             self.chain.wrap_forwards(lambda k, fn: _Compiled(fn, self, block=True))
             self.chain.compiles = graphs_compiled
+            # NOTE [selective recomputation]: Inductor's partitioner keeps a min-cut inside
+            # the graph; a dispatch mode around a compiled forward would run it eagerly
+            self.chain.selective = False
         if not self.user_compiled:
             self._model = model
             self._previous = model.__dict__.get("forward", MISSING)
@@ -148,6 +151,7 @@ class CompiledRun(Part):
         if self.chain is not None and self.enabled:
             self.chain.wrap_forwards(None)
             self.chain.compiles = None
+            self.chain.selective = True
         model, self._model = self._model, None
         if model is None:
             return
