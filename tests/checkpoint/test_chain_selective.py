@@ -65,13 +65,12 @@ def test_selective_blocks_train_bit_identical_to_plain(name: str) -> None:
             assert 0 < layer.sel_share < 1
         limit = _limit_with_fs(chained)
         chained.compute_sequence(limit + chained.reserved_nbytes)
+        assert "kept selectively" in chained.explain()
         for _ in range(3):  # the first re-times (the replays too) and solves again
             model.zero_grad()
             ref.zero_grad()
             assert torch.equal(hf_step(model), hf_step(ref))  # dropout masks: kept, not drawn
             assert same_state(model, ref) == []
-        assert chained.schedule is not None
-        assert "kept selectively" in chained.explain()
 
 
 class _PathBlock(nn.Module):
@@ -121,10 +120,10 @@ def test_a_replay_that_meets_another_path_recomputes_the_block_whole() -> None:
     with checkpoint_chain(model) as chained:
         assert torch.equal(step(model), step(ref))
         chained.compute_sequence(_limit_with_fs(chained) + chained.reserved_nbytes)
-        for _ in range(2):
+        for k in range(2):  # the second runs what the re-timed chain solved: Fs or not
             assert chained.schedule is not None
             fs = {op[1] for op in chained.schedule.ops if op[0] == "Fs"}
-            assert fs
+            assert fs or k > 0
             before = [b.grad_calls for b in blocks]
             assert torch.equal(step(model), step(ref))
             assert same_state(model, ref) == []

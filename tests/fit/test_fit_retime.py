@@ -80,3 +80,45 @@ def test_a_prediction_near_the_measurement_is_kept(monkeypatch: pytest.MonkeyPat
         assert fit.measured_step_s is not None  # steps were timed (and checked)
     finally:
         fit.remove()
+
+
+def test_a_chain_retimed_in_a_slow_step_is_retimed_with_the_whole_step(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # the chain's blocks are re-timed in step 2; when that step is slow (a fresh process's
+    # allocator still growing), the chain alone is predicted longer than whole later steps
+    from tensorscope.fit import handle
+
+    from .fit_helpers import Block
+
+    monkeypatch.setattr(handle, "TIME_TOLERANCE", 0.10)
+    model = tiny("mlp")
+    ref = twin(model)
+    slow = {"on": False}
+    forward = Block.forward
+
+    def sometimes_slow(self: Block, x: torch.Tensor) -> torch.Tensor:
+        if slow["on"]:
+            time.sleep(0.02)
+        return forward(self, x)
+
+    monkeypatch.setattr(Block, "forward", sometimes_slow)
+    opt, ref_opt = optimizer("sgd", model), optimizer("sgd", ref)
+    fit = ts.fit(model, opt, budget=plain_peak("mlp", "sgd") * 2)
+    try:
+        data, ref_data = batches("mlp"), batches("mlp")
+        for k in range(8):
+            slow["on"] = k == 1  # step 2 re-times the chain
+            assert step(model, opt, next(data), seed=k) == step(
+                ref, ref_opt, next(ref_data), seed=k
+            )
+        slow["on"] = False
+        assert differing(model, ref) == []
+        notes = [n for n in fit.notes if "against the predicted" in n]
+        assert len(notes) == 1, fit.notes
+        assert "the whole step re-timed x0." in notes[0], notes
+        assert fit.decision is not None and fit.measured_step_s is not None
+        # corrected: the prediction now near the measured steps, not the slow step's chain
+        assert fit.decision.chosen.predicted_s < 3 * fit.measured_step_s, notes
+    finally:
+        fit.remove()

@@ -87,9 +87,10 @@ def test_blocks_run_selectively_where_memory_is_short_and_train_like_plain(
             for k, ids in enumerate(_data(6)):
                 assert _step(model, opt, ids, k) == _step(ref, ref_opt, ids, k)
                 assert differing(model, ref) == [], f"step {k + 1}"
-        assert fit.decision is not None
-        assert "selective" in fit.decision.blocks
-        assert "selective" in fit.explain()
+                if k == 0:  # decided (later steps may re-time it into another choice)
+                    assert fit.decision is not None
+                    assert "selective" in fit.decision.blocks
+                    assert "selective" in fit.explain()
         assert fit.plan_after is not None
         assert fit.measured_peak(fit.plan_after) <= budget
     finally:
