@@ -164,6 +164,11 @@ def explain(f: Facts) -> str:
             f"loss above the chain: {format_bytes(base.loss_tmp)})"
         )
         lines += [f"      {line}" for line in _runs(d.blocks)]
+        if "selective" in d.blocks:  # NOTE [selective recomputation], checkpoint/simulate.py
+            lines.append(
+                "      selective: the block's matmuls' and random draws' results kept, the "
+                "rest replayed in its backward (bit-identical)"
+            )
     elif f.chain_path is not None:
         lines.append(f"    block chain {f.chain_path or '(list)'}: not measured (no backward ran)")
     else:

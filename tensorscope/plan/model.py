@@ -192,6 +192,7 @@ class MemoryPlan:
         free_gradients: bool = False,
         recompute: Iterable[Any] = (),
         offload: Iterable[Any] = (),
+        reshard_after_forward: bool | None = None,
     ) -> Prediction:
         """The peak this step would have after a change, computed from the lifetimes (no rerun).
 
@@ -205,6 +206,9 @@ class MemoryPlan:
                 ``nn.ModuleList`` such as ``"transformer.h"``) stands for its children.
             offload: blocks whose saved activations leave the device after their last forward
                 use and come back when their backward first needs them.
+            reshard_after_forward: under FSDP2, ``False``: every group's gathered parameters
+                stay from its forward to its backward (not gathered again); ``True``: freed
+                after the forward and gathered again for the backward; ``None``: as recorded.
 
         Returns:
             a :class:`~tensorscope.plan.whatif.Prediction` (``peak_bytes``, ``at_peak``,
@@ -228,7 +232,13 @@ class MemoryPlan:
         """
         from tensorscope.plan.whatif import predict
 
-        return predict(self, free_gradients=free_gradients, recompute=recompute, offload=offload)
+        return predict(
+            self,
+            free_gradients=free_gradients,
+            recompute=recompute,
+            offload=offload,
+            reshard_after_forward=reshard_after_forward,
+        )
 
     # ---------------------------------------------------------------------------- outputs
     def __str__(self) -> str:

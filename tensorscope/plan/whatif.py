@@ -24,6 +24,14 @@ Pure Python, no torch.
 #   ends (the checkpoint keeps them).
 # - Offloading a block's saved activations: each leaves the device after its last forward use
 #   and is back on it from its first backward use (the prefetch lead is not modelled).
+# - FSDP2's ``reshard_after_forward`` (issue 28): the parameters a group gathers whole
+#   (``unsharded_parameter``). False: a group's gather in the forward that was freed in the
+#   forward (resharded) stays to the end of the same group's gather in the backward, which is
+#   then not made -- paired in reverse order, by size (FSDP2 gathers the groups in the backward
+#   in the reverse of the forward's order; each gathered storage, the flat buffer and the
+#   parameters' own, is paired with its like). True: a gather of the forward
+#   that stayed into the backward leaves after its last forward use and is made again at its
+#   first backward use. Only memory: the gathers' time is not predicted.
 """
 
 from __future__ import annotations
@@ -310,17 +318,77 @@ def _offload(state: _Intervals, calls: list[int], changes: list[str]) -> int:
     return moved
 
 
+def _reshard(state: _Intervals, after_forward: bool, changes: list[str], notes: list[str]) -> None:
+    plan = state.plan
+    phases = [op.phase for op in plan.ops]
+
+    def phase(op: int | None) -> str:
+        return "end" if op is None or op >= len(phases) else phases[op]
+
+    gathers = sorted(
+        (
+            life
+            for life in plan.lifetimes
+            if life.category == "unsharded_parameter"
+            and life.created >= 0
+            and len(state.parts.get(life.index, ())) == 1
+        ),
+        key=lambda life: life.created,
+    )
+    forward = [g for g in gathers if phase(g.created) == "forward"]
+    if not gathers:
+        notes.append("no parameters were gathered whole in this step (not FSDP2): nothing moved")
+        return
+    moved = 0
+    if not after_forward:
+        resharded = [g for g in forward if phase(g.freed) == "forward"]
+        for again in (g for g in gathers if phase(g.created) == "backward"):
+            match = next((g for g in reversed(resharded) if g.nbytes == again.nbytes), None)
+            if match is None:
+                continue
+            resharded.remove(match)
+            start, _, nbytes, category = state.parts[match.index][0]
+            state.parts[match.index] = [(start, state.parts[again.index][0][1], nbytes, category)]
+            state.parts[again.index] = []
+            moved += 1
+        changes.append(
+            f"reshard_after_forward=False: parameters gathered in the forward kept to their "
+            f"backward, not gathered again ({moved} storages)"
+        )
+        return
+    for g in forward:
+        if phase(g.freed) == "forward" or g.first_backward_use < 0:
+            continue
+        start, end, nbytes, category = state.parts[g.index][0]
+        away = _freed(max(g.last_forward_use, g.created) + 1)
+        state.parts[g.index] = [
+            (start, away, nbytes, category),
+            ((g.first_backward_use, -1, 0), end, nbytes, category),
+        ]
+        moved += 1
+    changes.append(
+        f"reshard_after_forward=True: parameters gathered in the forward freed after it and "
+        f"gathered again for their backward ({moved} storages)"
+    )
+
+
 def predict(
     plan: MemoryPlan,
     *,
     free_gradients: bool = False,
     recompute: Iterable[Any] = (),
     offload: Iterable[Any] = (),
+    reshard_after_forward: bool | None = None,
 ) -> Prediction:
     """The peak after the changes (see ``MemoryPlan.what_if`` and the NOTE)."""
     if not isinstance(free_gradients, bool):
         raise ArgumentTypeError(
             f"tensorscope.plan: what_if(free_gradients=...) takes a bool; got {free_gradients!r}"
+        )
+    if reshard_after_forward is not None and not isinstance(reshard_after_forward, bool):
+        raise ArgumentTypeError(
+            "tensorscope.plan: what_if(reshard_after_forward=...) takes a bool (or None: as "
+            f"recorded); got {reshard_after_forward!r}"
         )
     recomputed = resolve_blocks(plan, recompute, "recompute")
     offloaded = resolve_blocks(plan, offload, "offload")
@@ -333,6 +401,8 @@ def predict(
         _recompute(state, recomputed, changes)
     if offloaded:
         _offload(state, offloaded, changes)
+    if reshard_after_forward is not None:
+        _reshard(state, reshard_after_forward, changes, notes)
     without_backward = [plan.calls[i].path for i in recomputed if plan.calls[i].backward is None]
     if without_backward:
         notes.append(f"no backward ran for {', '.join(without_backward)}: nothing to recompute")

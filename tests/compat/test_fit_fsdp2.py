@@ -5,7 +5,8 @@ One spawn runs every case on both ranks (a process start costs seconds); the par
 each rank saw:
 - the memory plan of an FSDP2 step has the categories ``sharded_parameter``,
   ``unsharded_parameter``, ``reduce_scatter``, and its peak is within 5% of torch's own
-  ``FSDPMemTracker`` on the same step;
+  ``FSDPMemTracker`` on the same step; ``what_if(reshard_after_forward=...)`` predicts each way
+  from a step recorded the other way within 5%;
 - ts.fit at the least budget that fits (read from the ScheduleError of a smaller one) recomputes
   blocks outside their own backward -- the chain gathers their parameters itself --, updates
   each parameter inside backward on its reduced shard's gradient and keeps the sharded
@@ -72,12 +73,12 @@ class _Net(torch.nn.Module):
         return self.head(h)
 
 
-def _sharded() -> tuple[_Net, torch.optim.Optimizer]:
+def _sharded(reshard: bool = True) -> tuple[_Net, torch.optim.Optimizer]:
     from torch.distributed.fsdp import fully_shard
 
     model = _Net()
     for block in model.layers:
-        fully_shard(block)
+        fully_shard(block, reshard_after_forward=reshard)
     fully_shard(model)
     return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
 
@@ -125,6 +126,26 @@ def _plan_against_tracker(rank: int) -> dict[str, Any]:
         _step(model, optimizer, x)
     peak = next(iter(tracker.get_tracker_snapshot("peak").values()))["Total"]
     return {"plan": plan.peak_bytes, "tracker": peak, "at_peak": dict(plan.at_peak)}
+
+
+def _reshard_predicted(rank: int) -> dict[str, Any]:
+    """what_if(reshard_after_forward=...) from a step recorded one way against a step recorded
+    the other way."""
+    peaks: dict[bool, Any] = {}
+    for reshard in (True, False):
+        model, optimizer = _sharded(reshard)
+        x = _batch(rank, 0)
+        _step(model, optimizer, x)
+        with ts.record() as rec:
+            _step(model, optimizer, x)
+        peaks[reshard] = rec.plan()
+    return {
+        "recorded": {r: p.peak_bytes for r, p in peaks.items()},
+        "predicted": {
+            r: peaks[not r].what_if(reshard_after_forward=r).peak_bytes for r in (True, False)
+        },
+        "changes": list(peaks[True].what_if(reshard_after_forward=False).changes),
+    }
 
 
 def _state(optimizer: torch.optim.Optimizer) -> list[list[float]]:
@@ -221,6 +242,7 @@ def _worker(rank: int, port: int, results: Any) -> None:
     dist.init_process_group("gloo", rank=rank, world_size=2)
     try:
         out: dict[str, Any] = {"tracker": _plan_against_tracker(rank), "plain": _plain(rank)}
+        out["reshard"] = _reshard_predicted(rank)
         out["plain_clip"] = _plain(rank, clip=True)
         out["bad"] = _error(lambda: ts.fit(*_sharded(), budget=["64MiB", "12 parsecs"][rank]))
         small = out["small"] = _too_small(rank)
@@ -250,6 +272,16 @@ def test_fit_and_record_under_fsdp2() -> None:
         at_peak = tracker["at_peak"]
         assert at_peak["sharded_parameter"] > 0 and at_peak["unsharded_parameter"] > 0, at_peak
         assert "reduce_scatter" in at_peak
+    # what_if(reshard_after_forward=...): each way predicted from the other's recording, within
+    # 5% of what that way recorded (gathered parameters kept to the backward cost memory)
+    for out in (one, two):
+        reshard = out["reshard"]
+        for way in (True, False):
+            recorded, predicted = reshard["recorded"][way], reshard["predicted"][way]
+            assert abs(predicted - recorded) <= 0.05 * recorded, (way, reshard)
+        assert reshard["recorded"][False] > reshard["recorded"][True], reshard
+        assert "kept to their backward" in reshard["changes"][0], reshard["changes"]
+        assert "(0 storages)" not in reshard["changes"][0], reshard["changes"]
     # a bad budget on rank 1: ts.fit raises on both ranks, the same error
     assert one["bad"][0] == two["bad"][0] == "InvalidArgumentError", (one["bad"], two["bad"])
     assert one["bad"][1] == two["bad"][1] and "raised on rank 1" in one["bad"][1]
