@@ -2,7 +2,7 @@
 
 Run with two processes on the CPU (gloo) or on two GPUs (NCCL, chosen when CUDA is present)::
 
-    torchrun --nproc-per-node 2 examples/fsdp2_fit.py --budget 200MiB
+    torchrun --nproc-per-node 2 examples/fsdp2_fit.py --budget 80MiB
 
 The loop is the user's own: ``fully_shard`` on every block and then on the model (torchtitan's
 order), the optimizer over the sharded parameters, then ``ts.fit(model, optimizer, budget)`` on
@@ -30,13 +30,15 @@ def _model() -> torch.nn.Module:
     import transformers as tf
 
     torch.manual_seed(0)  # the same weights on every rank before sharding
-    cfg = tf.GPT2Config(n_layer=6, n_embd=128, n_head=4, vocab_size=2048, n_positions=128)
+    cfg = tf.GPT2Config(
+        n_layer=6, n_embd=128, n_head=4, vocab_size=2048, n_positions=128, use_cache=False
+    )
     return tf.GPT2LMHeadModel(cfg).train()
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--budget", default="200MiB", help="per rank, e.g. 200MiB")
+    parser.add_argument("--budget", default="80MiB", help="per rank, e.g. 80MiB")
     parser.add_argument("--steps", type=int, default=6)
     args = parser.parse_args()
     cuda = torch.cuda.is_available()
