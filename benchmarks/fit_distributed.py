@@ -137,8 +137,6 @@ def _train(cfg: dict[str, Any], rank: int, ts: Any) -> dict[str, Any]:
             tensors = rec.plan().peak_bytes
         else:
             step(k)
-    if fit is not None and fit.plan_after is not None:
-        tensors = fit.measured_peak(fit.plan_after)
     sampler = common.PeakSampler()
     groups = []
     k = cfg["warmup"]
@@ -149,6 +147,8 @@ def _train(cfg: dict[str, Any], rank: int, ts: Any) -> dict[str, Any]:
                 step(k)
                 k += 1
             groups.append((time.perf_counter() - start) / cfg["steps"])
+    if fit is not None and fit.plan_after is not None:  # read here: a re-decision (a step
+        tensors = fit.measured_peak(fit.plan_after)  # over budget) records again in the groups
     weights = [p.full_tensor().detach().clone() for p in model.parameters()]  # a collective
     if rank == 0:
         torch.save(weights, cfg["weights"])
