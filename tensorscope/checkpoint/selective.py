@@ -98,7 +98,9 @@ class Keep(DispatchMode):
     ) -> Any:
         out = func(*args, **(kwargs or {}))
         if func.overloadpacket in KEPT:
-            value = out.clone() if _mutates_first(func) else out
+            # an alias of its own: the replay's autograd sets its history on what it returns,
+            # never on a tensor the forward handed on (a block's output can be a kept result)
+            value = out.clone() if _mutates_first(func) else _detached(out)
             self.results.append((_signature(func, args), value))
         return out
 
@@ -215,6 +217,14 @@ class SelectiveMeter(DispatchMode):
     def replay_share(self) -> float:
         total = self.kept_s + self.other_s
         return self.other_s / total if total > 0 else 1.0
+
+
+def _detached(out: Any) -> Any:
+    if isinstance(out, torch.Tensor):
+        return out.detach()
+    if isinstance(out, (tuple, list)):
+        return type(out)(_detached(t) for t in out)
+    return out
 
 
 def _aliases(arg: Any, key: Any) -> bool:
