@@ -17,39 +17,15 @@ import torch.distributed as dist
 
 import tensorscope as ts
 
-from ._ranks import run_two_ranks
+from ._ranks import ResidualNet, run_two_ranks
 
 STEPS = 4
-
-
-class _Block(torch.nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.up, self.down = torch.nn.Linear(32, 128), torch.nn.Linear(128, 32)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + self.down(torch.nn.functional.gelu(self.up(x)))
-
-
-class _Net(torch.nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        torch.manual_seed(0)
-        self.embed = torch.nn.Linear(8, 32)
-        self.layers = torch.nn.ModuleList(_Block() for _ in range(4))
-        self.head = torch.nn.Linear(32, 4)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.embed(x)
-        for layer in self.layers:
-            h = layer(h)
-        return self.head(h)
 
 
 def _train(fitted: bool, rank: int) -> tuple[list[float], list[list[float]], str]:
     from torch.nn.parallel import DistributedDataParallel
 
-    model = _Net()
+    model = ResidualNet(32, 4)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     fit = ts.fit(model, optimizer, budget="700KiB") if fitted else None
     ddp = DistributedDataParallel(model)

@@ -34,7 +34,7 @@ import torch.distributed as dist
 
 import tensorscope as ts
 
-from ._ranks import run_two_ranks
+from ._ranks import ResidualNet, run_two_ranks
 
 pytestmark = [
     pytest.mark.skipif(
@@ -49,34 +49,10 @@ STEPS = 4
 WIDTH, BLOCKS, BATCH = 64, 6, 1024
 
 
-class _Block(torch.nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.up, self.down = torch.nn.Linear(WIDTH, 4 * WIDTH), torch.nn.Linear(4 * WIDTH, WIDTH)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + self.down(torch.nn.functional.gelu(self.up(x)))
-
-
-class _Net(torch.nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        torch.manual_seed(0)
-        self.embed = torch.nn.Linear(8, WIDTH)
-        self.layers = torch.nn.ModuleList(_Block() for _ in range(BLOCKS))
-        self.head = torch.nn.Linear(WIDTH, 4)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.embed(x)
-        for layer in self.layers:
-            h = layer(h)
-        return self.head(h)
-
-
-def _sharded(reshard: bool = True) -> tuple[_Net, torch.optim.Optimizer]:
+def _sharded(reshard: bool = True) -> tuple[ResidualNet, torch.optim.Optimizer]:
     from torch.distributed.fsdp import fully_shard
 
-    model = _Net()
+    model = ResidualNet(WIDTH, BLOCKS)
     for block in model.layers:
         fully_shard(block, reshard_after_forward=reshard)
     fully_shard(model)
@@ -201,7 +177,7 @@ def _too_small(rank: int) -> dict[str, Any]:
 def _sharded_after_fit(rank: int) -> tuple[str, str]:
     from torch.distributed.fsdp import fully_shard
 
-    model = _Net()
+    model = ResidualNet(WIDTH, BLOCKS)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     fit = ts.fit(model, optimizer, budget="64MiB")
     for block in model.layers:
