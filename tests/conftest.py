@@ -66,6 +66,7 @@ import sys
 import tempfile
 import warnings
 from collections.abc import Iterator, Mapping
+from typing import Any
 
 import pytest
 import torch
@@ -174,6 +175,28 @@ def _decisions_not_timed_against_load() -> Iterator[None]:
 
     patch = pytest.MonkeyPatch()
     patch.setattr(handle, "TIME_TOLERANCE", float("inf"))
+    yield
+    patch.undo()
+
+
+@pytest.fixture
+def free_replays() -> Iterator[None]:
+    """Blocks kept selectively (NOTE [selective recomputation], checkpoint/simulate.py) with
+    their replays priced at no time: rotor's DP then runs a block as Fs wherever memory is short,
+    whatever this machine's timings (else a re-timed step may find recomputing as fast, and a
+    test of Fs would test nothing). For tests/checkpoint and tests/fit alike."""
+    import dataclasses
+
+    from tensorscope.checkpoint.profile import Profile
+
+    to_chain = Profile.to_chain
+
+    def free(self: Profile, loss_tmp: int = 0) -> Any:
+        chain = to_chain(self, loss_tmp)
+        return dataclasses.replace(chain, sel_bw=(0.0,) * chain.length)
+
+    patch = pytest.MonkeyPatch()
+    patch.setattr(Profile, "to_chain", free)
     yield
     patch.undo()
 

@@ -1,5 +1,6 @@
 """Blocks run as Fs (NOTE [selective recomputation]): their expensive ops' results kept, the rest
-replayed in backward -- bit-identical to plain, measured, chosen by the DP where it pays."""
+replayed in backward -- bit-identical to plain, measured, chosen by the DP where it pays (the
+``free_replays`` fixture, tests/conftest.py, makes it pay whatever the machine's timings)."""
 
 from __future__ import annotations
 
@@ -10,35 +11,10 @@ import torch
 from chain_helpers import hf_step, same_state, tiny_hf, twins
 from torch import nn
 
-from tensorscope.checkpoint import (
-    Chain,
-    checkpoint_chain,
-    min_memory,
-    solve,
-    store_all_memory,
-)
-from tensorscope.checkpoint.profile import Profile
+from tensorscope.checkpoint import checkpoint_chain, min_memory, solve, store_all_memory
 from tensorscope.checkpoint.selective import Keep, Replay, kept
 
 pytestmark = pytest.mark.engine_independent  # rotor runs plain torch ops
-
-
-@pytest.fixture
-def free_replays(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Replays priced at no time: the DP runs a block as Fs wherever memory is short, whatever
-    this machine's timings (else a re-timed step may find recomputing as fast, and the test
-    would test nothing)."""
-    to_chain = Profile.to_chain
-
-    def free(self: Profile, loss_tmp: int = 0) -> Chain:
-        c = to_chain(self, loss_tmp)
-        return Chain(
-            c.fw, c.bw, c.x_sizes, c.xbar_sizes, c.fw_tmp, c.bw_tmp, c.loss_tmp,
-            keeps_output=c.keeps_output, xsel_sizes=c.xsel_sizes, sel_bw=[0.0] * c.length,
-            sel_bw_tmp=c.sel_bw_tmp,
-        )  # fmt: skip
-
-    monkeypatch.setattr(Profile, "to_chain", free)
 
 
 def _limit_with_fs(chained: Any) -> int:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import warnings
 from collections.abc import Iterator
 
 import pytest
@@ -13,6 +14,7 @@ from torch import nn
 
 import tensorscope as ts
 from tensorscope.checkpoint.offloaded import OffloadModel
+from tensorscope.errors import FitWarning, ScheduleError
 from tensorscope.fit.decider import Decider
 
 VOCAB = 97
@@ -260,3 +262,53 @@ def tight_state_budget(name: str, kind: str, clip: float | None) -> int:
     fit.remove()
     assert moved < resident
     return (moved + resident) // 2
+
+
+# A GPT-2 4 x 128 (vocabulary 256, batches 4 x 64) at the least budget ts.fit reaches: the tests
+# of the chain's parameters in files and of blocks kept selectively.
+LEAST_VOCAB, LEAST_BATCH, LEAST_SEQ = 256, 4, 64
+
+
+def least_gpt2() -> nn.Module:
+    """The GPT-2 4 x 128 of the least-budget tests (random weights seeded 0, train())."""
+    return gpt2(4, 128, LEAST_VOCAB, LEAST_SEQ)
+
+
+def least_batches(n: int) -> list[torch.Tensor]:
+    """``n`` batches of token ids for :func:`least_gpt2` (seeded)."""
+    g = torch.Generator().manual_seed(1)
+    return [torch.randint(0, LEAST_VOCAB, (LEAST_BATCH, LEAST_SEQ), generator=g) for _ in range(n)]
+
+
+def seeded_step(model: nn.Module, opt: torch.optim.Optimizer, ids: torch.Tensor, k: int) -> float:
+    """One training step of a causal LM on ``ids``, the random state seeded ``k`` (dropout: two
+    models stepped alike draw the same masks)."""
+    torch.manual_seed(k)
+    loss = model(input_ids=ids, labels=ids).loss
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+    return float(loss.item())
+
+
+def least_budget(monkeypatch: pytest.MonkeyPatch | None) -> int:
+    """The smallest budget ts.fit reaches for :func:`least_gpt2` (with the chain's parameters
+    placed in files allowed, or not: ``monkeypatch``, undone before returning), read from the
+    ScheduleError of a 1 MiB budget."""
+    model = least_gpt2()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    fit = ts.fit(model, opt, budget=1 << 20)
+    try:
+        if monkeypatch is not None:
+            monkeypatch.setattr(Decider, "_can_place", lambda self, free: False)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", FitWarning)
+            with pytest.raises(ScheduleError) as info:
+                seeded_step(model, opt, least_batches(1)[0], 0)
+    finally:
+        fit.remove()
+        if monkeypatch is not None:
+            monkeypatch.undo()
+    assert fit.decision is None
+    text = str(info.value)
+    return int(text.split("the smallest budget that fits is ")[1].split("(")[1].split(" ")[0])

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import copy
 import io
-import warnings
 from typing import Any
 
 import pytest
@@ -16,70 +15,29 @@ import torch
 import tensorscope as ts
 from tensorscope.errors import FitWarning, ResidencyError, ScheduleError
 from tensorscope.fit import paramplace
-from tensorscope.fit.decider import Decider
 from tensorscope.fit.parts import place
 
-from .fit_helpers import differing, gpt2
+from .fit_helpers import differing, least_batches, least_budget, least_gpt2, seeded_step
 
 pytestmark = pytest.mark.engine_independent  # ts.fit outside scopes (checked)
-
-VOCAB, BATCH, SEQ = 256, 4, 64
-
-
-def _gpt2() -> Any:
-    return gpt2(4, 128, VOCAB, SEQ)
-
-
-def _data(n: int) -> list[torch.Tensor]:
-    g = torch.Generator().manual_seed(1)
-    return [torch.randint(0, VOCAB, (BATCH, SEQ), generator=g) for _ in range(n)]
-
-
-def _step(model: Any, opt: torch.optim.Optimizer, ids: torch.Tensor, k: int) -> float:
-    torch.manual_seed(k)
-    loss = model(input_ids=ids, labels=ids).loss
-    loss.backward()
-    opt.step()
-    opt.zero_grad()
-    return float(loss.item())
-
-
-def _least(monkeypatch: pytest.MonkeyPatch | None) -> int:
-    """The smallest budget ts.fit reaches (with placing allowed, or not: ``monkeypatch``)."""
-    model = _gpt2()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    fit = ts.fit(model, opt, budget=1 << 20)
-    try:
-        if monkeypatch is not None:
-            monkeypatch.setattr(Decider, "_can_place", lambda self, free: False)
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", FitWarning)
-            with pytest.raises(ScheduleError) as info:
-                _step(model, opt, _data(1)[0], 0)
-    finally:
-        fit.remove()
-        monkeypatch is not None and monkeypatch.undo()
-    assert fit.decision is None
-    text = str(info.value)
-    return int(text.split("the smallest budget that fits is ")[1].split("(")[1].split(" ")[0])
 
 
 @pytest.fixture(scope="module")
 def budgets() -> tuple[int, int]:
     with pytest.MonkeyPatch.context() as mp:
-        unplaced = _least(mp)
-    return _least(None), unplaced
+        unplaced = least_budget(mp)
+    return least_budget(None), unplaced
 
 
 def test_parameters_are_placed_only_when_nothing_fits_without(budgets: tuple[int, int]) -> None:
     placed_least, unplaced_least = budgets
     assert placed_least < unplaced_least  # the chain's parameters were part of the floor
-    model = _gpt2()
+    model = least_gpt2()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     fit = ts.fit(model, opt, budget=unplaced_least)
     try:
-        for k, ids in enumerate(_data(4)):
-            _step(model, opt, ids, k)
+        for k, ids in enumerate(least_batches(4)):
+            seeded_step(model, opt, ids, k)
         assert fit.decision is not None
         assert fit.decision.chosen.base.placed_bytes == 0
         assert fit._place.placer is None
@@ -90,14 +48,14 @@ def test_parameters_are_placed_only_when_nothing_fits_without(budgets: tuple[int
 def test_placed_parameters_train_like_plain_within_the_budget(budgets: tuple[int, int]) -> None:
     placed_least, unplaced_least = budgets
     budget = (placed_least + unplaced_least) // 2
-    model = _gpt2()
+    model = least_gpt2()
     ref = copy.deepcopy(model)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3)
     fit = ts.fit(model, opt, budget=budget)
     try:
-        for k, ids in enumerate(_data(5)):
-            assert _step(model, opt, ids, k) == _step(ref, ref_opt, ids, k)
+        for k, ids in enumerate(least_batches(5)):
+            assert seeded_step(model, opt, ids, k) == seeded_step(ref, ref_opt, ids, k)
             assert differing(model, ref) == [], f"step {k + 1}"
             # between steps, every parameter reads its value (mapped from the file)
             total = sum(float(p.detach().double().sum()) for p in model.parameters())
@@ -124,24 +82,25 @@ def test_placed_parameters_train_like_plain_within_the_budget(budgets: tuple[int
         fit.remove()
     assert fit._place.placer is not None and not fit._place.placer.placed
     assert differing(model, ref) == []
-    ids = _data(6)[5]
-    assert _step(model, opt, ids, 9) == _step(ref, ref_opt, ids, 9)  # plain again, same bits
+    ids = least_batches(6)[5]
+    # plain again, same bits
+    assert seeded_step(model, opt, ids, 9) == seeded_step(ref, ref_opt, ids, 9)
     assert differing(model, ref) == []
 
 
 @pytest.mark.engine_dependent  # scopes or ts.manage
 def test_inside_a_scope_under_the_python_path_too(budgets: tuple[int, int]) -> None:
     placed_least, unplaced_least = budgets
-    model = _gpt2()
+    model = least_gpt2()
     ref = copy.deepcopy(model)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3)
     fit = ts.fit(model, opt, budget=(placed_least + unplaced_least) // 2)
     try:
-        for k, ids in enumerate(_data(4)):
+        for k, ids in enumerate(least_batches(4)):
             with ts.scope():
-                loss = _step(model, opt, ids, k)
-            assert loss == _step(ref, ref_opt, ids, k)
+                loss = seeded_step(model, opt, ids, k)
+            assert loss == seeded_step(ref, ref_opt, ids, k)
         assert differing(model, ref) == []
         assert fit.decision is not None and fit.decision.chosen.base.placed_bytes > 0
     finally:
@@ -153,15 +112,15 @@ def test_copies_saves_and_state_dict_loads_of_placed_parameters(budgets: tuple[i
     model (an EMA, a best model), save it whole or its state_dict, and load a state_dict into
     it (the values written through the mappings, kept when the pages are dropped)."""
     placed_least, unplaced_least = budgets
-    model = _gpt2()
+    model = least_gpt2()
     ref = copy.deepcopy(model)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3)
     fit = ts.fit(model, opt, budget=(placed_least + unplaced_least) // 2)
-    data = _data(8)
+    data = least_batches(8)
     try:
         for k in range(3):
-            assert _step(model, opt, data[k], k) == _step(ref, ref_opt, data[k], k)
+            assert seeded_step(model, opt, data[k], k) == seeded_step(ref, ref_opt, data[k], k)
         placer = fit._place.placer
         assert placer is not None and placer.placed and placer.placed_nbytes > 0
         copied = copy.deepcopy(model)
@@ -176,7 +135,7 @@ def test_copies_saves_and_state_dict_loads_of_placed_parameters(budgets: tuple[i
         assert all(torch.equal(loaded_state[n], t) for n, t in ref.state_dict().items())
         # a copy trains on its own: the placed original is not touched
         copied_opt = torch.optim.AdamW(copied.parameters(), lr=1e-3)
-        _step(copied, copied_opt, data[7], 7)
+        seeded_step(copied, copied_opt, data[7], 7)
         assert differing(model, ref) == []
         # load other values into the placed parameters (both sides), then train on
         with torch.no_grad():
@@ -184,7 +143,7 @@ def test_copies_saves_and_state_dict_loads_of_placed_parameters(budgets: tuple[i
                 p.mul_(0.5)
         model.load_state_dict(ref.state_dict())
         for k in range(3, 6):
-            assert _step(model, opt, data[k], k) == _step(ref, ref_opt, data[k], k)
+            assert seeded_step(model, opt, data[k], k) == seeded_step(ref, ref_opt, data[k], k)
             assert differing(model, ref) == [], f"step {k + 1}"
         assert fit.decision is not None and fit.decision.chosen.base.placed_bytes > 0
         assert placer.placed
@@ -210,16 +169,16 @@ def test_a_failed_write_keeps_the_parameters(
 
     monkeypatch.setattr(place, "measure_mapping", lambda: 1e9)  # measured before the disk fills
     monkeypatch.setattr(paramplace, "DiskTier", Full)  # the placer's files only
-    model = _gpt2()
+    model = least_gpt2()
     ref = copy.deepcopy(model)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3)
     fit = ts.fit(model, opt, budget=(placed_least + unplaced_least) // 2)
     try:
-        ids = _data(1)[0]
+        ids = least_batches(1)[0]
         with pytest.warns(FitWarning, match="stays in memory"), pytest.raises(ScheduleError):
-            _step(model, opt, ids, 0)
-        _step(ref, ref_opt, ids, 0)
+            seeded_step(model, opt, ids, 0)
+        seeded_step(ref, ref_opt, ids, 0)
         assert differing(model, ref) == []  # the step itself ran; nothing lost
         assert "writing parameters to the disk tier failed" in fit._place.off
         assert fit.decision is None and "no plan: " in fit.explain()
