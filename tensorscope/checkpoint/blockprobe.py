@@ -54,20 +54,28 @@ __all__ = ["BlockProbe", "alike_medians", "every_block_ops", "retimed"]
 # longer makes the solver treat one block as special. Blocks that differ keep their own time.
 
 
-def alike_medians(keys: Sequence[Hashable], times: Sequence[float]) -> list[float]:
+def alike_medians(
+    keys: Sequence[Hashable], times: Sequence[float], given: Mapping[int, float] | None = None
+) -> list[float]:
     """Each time replaced by the median of the times whose key is equal (NOTE [one timing
-    per block]).
+    per block]); where ``given`` has new times (by index) for some of a group, the median of
+    those instead (NOTE [retiming]: a block left out of a re-timing takes its alike blocks').
 
     Example:
         >>> alike_medians(["a", "a", "a", "b"], [1.0, 9.0, 2.0, 5.0])
         [2.0, 2.0, 2.0, 5.0]
+        >>> alike_medians(["a", "a", "a", "b"], [1.0, 9.0, 2.0, 5.0], {0: 3.0, 1: 5.0})
+        [4.0, 4.0, 4.0, 5.0]
     """
+    new = given or {}
     groups: dict[Hashable, list[int]] = {}
     for k, key in enumerate(keys):
         groups.setdefault(key, []).append(k)
     out = list(times)
     for members in groups.values():
-        mid = statistics.median(times[k] for k in members)
+        mid = statistics.median(
+            [new[k] for k in members if k in new] or [times[k] for k in members]
+        )
         for k in members:
             out[k] = mid
     return out
@@ -96,30 +104,14 @@ def retimed(
         [4.0, 4.0, 4.0]
     """
     keys = [alike_key(p) for p in profile.layers]
-    fw = _given_medians(keys, [p.fw_s for p in profile.layers], fw_s or {})
-    bw = _given_medians(keys, [p.bw_s for p in profile.layers], bw_s or {})
-    share = _given_medians(keys, [p.sel_share for p in profile.layers], sel_share or {})
+    fw = alike_medians(keys, [p.fw_s for p in profile.layers], fw_s)
+    bw = alike_medians(keys, [p.bw_s for p in profile.layers], bw_s)
+    share = alike_medians(keys, [p.sel_share for p in profile.layers], sel_share)
     layers = tuple(
         dataclasses.replace(p, fw_s=fw[k], bw_s=bw[k], sel_share=share[k])
         for k, p in enumerate(profile.layers)
     )
     return dataclasses.replace(profile, layers=layers)
-
-
-def _given_medians(
-    keys: Sequence[Hashable], old: Sequence[float], given: Mapping[int, float]
-) -> list[float]:
-    """Each alike group's median of its ``given`` times, or of its ``old`` ones if none."""
-    groups: dict[Hashable, list[int]] = {}
-    for k, key in enumerate(keys):
-        groups.setdefault(key, []).append(k)
-    out = list(old)
-    for members in groups.values():
-        chosen = [given[k] for k in members if k in given] or [old[k] for k in members]
-        mid = statistics.median(chosen)
-        for k in members:
-            out[k] = mid
-    return out
 
 
 def every_block_ops(n: int) -> list[Op]:
