@@ -99,7 +99,6 @@ class Simulator:
         self.peak = chain.x_sizes[0]
         self.loss_done = False
         self.backward_done: set[int] = set()
-        self.selected: set[int] = set()  # layers whose latest forward with state was Fs
         self._index = 0
 
     def available(self, k: int) -> bool:
@@ -132,7 +131,8 @@ class Simulator:
     def _drop_x(self, k: int) -> None:
         """x_k is no longer needed: free it unless autograd state holds it (see the NOTE)."""
         self._drop(("x", k))
-        if k > 0 and (not self.chain.keeps_output[k - 1] or k - 1 in self.selected):
+        # Fs(k-1)'s output: no autograd state holds it (its kept results are ("sel", k))
+        if k > 0 and (not self.chain.keeps_output[k - 1] or ("sel", k) in self.alive):
             self._drop(("out", k))
 
     def check(self, op: Op) -> int:
@@ -214,10 +214,8 @@ class Simulator:
                 if kind in ("Fe", "Fs"):
                     out = c.x_sizes[k + 1]
                     if kind == "Fe":
-                        self.selected.discard(k)
                         self._add(("saved", k + 1), c.xbar_sizes[k + 1] - out)
                     else:
-                        self.selected.add(k)
                         self._add(("sel", k + 1), c.xsel_sizes[k + 1] - out)
                     self._add(("out", k + 1), out)
                     done = self.loss_done if k + 1 == c.length else k + 1 in self.backward_done

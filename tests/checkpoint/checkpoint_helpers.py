@@ -55,7 +55,6 @@ def _search(
             nxt.alive = dict(sim.alive)
             nxt.backward_done = set(sim.backward_done)
             nxt.checkpoints = set(sim.checkpoints)
-            nxt.selected = set(sim.selected)
             nxt.step(op)
             new = cost(acc, peak, nxt.time - sim.time)
             if math.isinf(new):
